@@ -1,0 +1,68 @@
+# shardstate: the two commands that matter are `make demo` and `make test`.
+# Both set up everything they need on a fresh machine (a virtualenv in .venv
+# with torch==2.13.0, numpy, pytest, hypothesis) and build the extension.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.deps-stamp
+export PYTHONPATH := $(CURDIR)/python
+
+CC      ?= gcc
+CFLAGS_C := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-missing-field-initializers -O1 -g -pthread \
+            -Icsrc/core -Itests/c
+CORE_SRC := $(sort $(wildcard csrc/core/*.c))
+CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c)))
+LIBASAN   = $(shell $(CC) -print-file-name=libasan.so)
+
+.PHONY: all venv build test ctest asan-test demo bench clean
+
+all: build
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=64" wheel
+	touch $@
+
+venv: $(STAMP)
+
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+# The whole pytest suite; pytest's own exit status (5 = nothing collected)
+# makes make fail on any failure or on an empty run.
+test: build
+	$(PY) -m pytest -q tests
+
+# C-level tests of csrc/core, built with ASan+UBSan, one program per file.
+build/ctest/%: tests/c/%.c $(CORE_SRC) $(wildcard csrc/core/*.h) tests/c/ss_test.h
+	@mkdir -p build/ctest
+	$(CC) $(CFLAGS_C) -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	    -o $@ $< $(CORE_SRC) -ldl
+
+ctest: $(CTESTS)
+	@set -e; p=0; f=0; for t in $(CTESTS); do \
+	    out=$$($$t) || st=1; echo "$$out"; \
+	    p=$$((p + $$(echo "$$out" | sed -n 's/.*: \([0-9]*\) passed.*/\1/p'))); \
+	    f=$$((f + $$(echo "$$out" | sed -n 's/.* \([0-9]*\) failed.*/\1/p'))); \
+	done; echo "ctest: $$p passed, $$f failed"; test $$f -eq 0 && test -z "$$st"
+
+# The pytest suite against an ASan+UBSan build of the extension. The
+# normal build is restored afterwards.
+asan-test: $(STAMP)
+	SHARDSTATE_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force
+	LD_PRELOAD=$(LIBASAN) PYTHONMALLOC=malloc \
+	    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    $(PY) -m pytest -q -p no:cacheprovider tests; st=$$?; \
+	    $(PY) setup.py -q build_ext --inplace --force; exit $$st
+
+demo: build
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/demo.py
+
+bench: build
+	$(PY) benchmarks/bench_io.py
+
+clean:
+	rm -rf build python/shardstate/*.so

@@ -1,0 +1,67 @@
+/* module.c - shardstate._core: PEP 489 multi-phase init and module state. */
+#define SS_IMPORT_NUMPY
+#include "module.h"
+#include "ss_numpy.h"
+
+static int ss_exec(PyObject *m)
+{
+    ss_state *st = ss_get_state(m);
+
+    if (PyArray_ImportNumPyAPI() < 0)
+        return -1;
+    if (ss_py_errors_init(m, st) < 0 || ss_py_pool_init(m, st) < 0 ||
+        ss_py_crc_init(m, st) < 0 || ss_py_io_init(m, st) < 0 ||
+        ss_py_geom_init(m, st) < 0)
+        return -1;
+    return 0;
+}
+
+static int ss_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    ss_state *st = ss_get_state(m);
+    Py_VISIT(st->Error);
+    Py_VISIT(st->IOError);
+    Py_VISIT(st->ChecksumError);
+    Py_VISIT(st->ThreadPool_type);
+    Py_VISIT(st->GeomIndex_type);
+    Py_VISIT(st->FaultInjector_type);
+    return 0;
+}
+
+static int ss_clear(PyObject *m)
+{
+    ss_state *st = ss_get_state(m);
+    Py_CLEAR(st->Error);
+    Py_CLEAR(st->IOError);
+    Py_CLEAR(st->ChecksumError);
+    Py_CLEAR(st->ThreadPool_type);
+    Py_CLEAR(st->GeomIndex_type);
+    Py_CLEAR(st->FaultInjector_type);
+    return 0;
+}
+
+static void ss_free(void *m)
+{
+    (void)ss_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot ss_slots[] = {
+    {Py_mod_exec, ss_exec},
+    {0, NULL},
+};
+
+PyModuleDef ss_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shardstate._core",
+    .m_doc = "shardstate's C core: checksums, parallel file I/O, chunk geometry.",
+    .m_size = sizeof(ss_state),
+    .m_slots = ss_slots,
+    .m_traverse = ss_traverse,
+    .m_clear = ss_clear,
+    .m_free = ss_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    return PyModuleDef_Init(&ss_module_def);
+}

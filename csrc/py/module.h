@@ -1,0 +1,56 @@
+/* module.h - module state and the helpers shared by the csrc/py files.
+ *
+ * csrc/py is the only place that includes Python.h or NumPy. Each concern
+ * has one file that adds its functions and types to the module from its
+ * ss_py_<concern>_init(); module.c calls them from the exec slot.
+ * There are no static PyObject* globals: everything lives in ss_state.
+ */
+#ifndef SS_PY_MODULE_H
+#define SS_PY_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ss_error.h"
+#include "ss_pool.h"
+
+typedef struct {
+    PyObject *Error;         /* shardstate.ShardstateError(Exception) */
+    PyObject *IOError;       /* ShardstateIOError(ShardstateError, OSError) */
+    PyObject *ChecksumError; /* ChecksumError(ShardstateError) */
+    PyTypeObject *ThreadPool_type;
+    PyTypeObject *GeomIndex_type;
+    PyTypeObject *FaultInjector_type;
+} ss_state;
+
+extern PyModuleDef ss_module_def;
+
+static inline ss_state *ss_get_state(PyObject *module)
+{
+    return (ss_state *)PyModule_GetState(module);
+}
+
+/* State from an instance of one of our heap types. */
+static inline ss_state *ss_state_from_type(PyTypeObject *tp)
+{
+    PyObject *m = PyType_GetModuleByDef(tp, &ss_module_def);
+    return m == NULL ? NULL : ss_get_state(m);
+}
+
+/* The one translation point from a core error code to a Python exception.
+ * info may be NULL. Always returns NULL, so callers can
+ * `return ss_py_raise(st, rc, &info);`. */
+PyObject *ss_py_raise(ss_state *st, int rc, const ss_errinfo *info);
+
+/* obj is None or a ThreadPool: store its ss_pool* (NULL for None) in *out.
+ * Returns 0, or -1 with TypeError set. */
+int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out);
+
+/* Per-concern initialisers, called by the exec slot in this order. */
+int ss_py_errors_init(PyObject *m, ss_state *st);
+int ss_py_pool_init(PyObject *m, ss_state *st);
+int ss_py_crc_init(PyObject *m, ss_state *st);
+int ss_py_io_init(PyObject *m, ss_state *st);
+int ss_py_geom_init(PyObject *m, ss_state *st);
+
+#endif /* SS_PY_MODULE_H */

@@ -1,0 +1,54 @@
+/* ss_test.h - a minimal harness for the C-level core tests.
+ * Each tests/c/test_<concern>.c is its own program:
+ *
+ *   static void test_something(void) { CHECK(x == 1); CHECK_EQ_INT(a, b); }
+ *   int main(void) { RUN(test_something); return ss_test_report("crc"); }
+ *
+ * CHECK failures are counted and printed with file and line; a test
+ * continues after a failed CHECK (each test counts once). */
+#ifndef SS_TEST_H
+#define SS_TEST_H
+
+#include <stdio.h>
+
+static int ss_t_passed, ss_t_failed, ss_t_cur_failed;
+
+#define CHECK(cond)                                                           \
+    do {                                                                      \
+        if (!(cond)) {                                                        \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__,         \
+                    __LINE__, #cond);                                         \
+            ss_t_cur_failed = 1;                                              \
+        }                                                                     \
+    } while (0)
+
+#define CHECK_EQ_INT(a, b)                                                    \
+    do {                                                                      \
+        long long a_ = (long long)(a), b_ = (long long)(b);                   \
+        if (a_ != b_) {                                                       \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s == %s (%lld vs %lld)\n",\
+                    __FILE__, __LINE__, #a, #b, a_, b_);                      \
+            ss_t_cur_failed = 1;                                              \
+        }                                                                     \
+    } while (0)
+
+#define RUN(fn)                                                               \
+    do {                                                                      \
+        ss_t_cur_failed = 0;                                                  \
+        fn();                                                                 \
+        if (ss_t_cur_failed) {                                                \
+            ss_t_failed++;                                                    \
+            fprintf(stderr, "FAIL %s\n", #fn);                                \
+        } else {                                                              \
+            ss_t_passed++;                                                    \
+        }                                                                     \
+    } while (0)
+
+/* Prints "<name>: N passed, N failed"; returns the exit status. */
+static inline int ss_test_report(const char *name)
+{
+    printf("%s: %d passed, %d failed\n", name, ss_t_passed, ss_t_failed);
+    return ss_t_failed ? 1 : 0;
+}
+
+#endif /* SS_TEST_H */
