@@ -1,0 +1,261 @@
+"""Run a function on N real processes joined by a torch.distributed group.
+
+    from shardstate.testing import run_distributed
+
+    def body(rank: int, world_size: int, scale: int) -> int:
+        import torch, torch.distributed as dist
+        t = torch.tensor([rank * scale])
+        dist.all_reduce(t)
+        return int(t)
+
+    assert run_distributed(body, 3, 10) == [30, 30, 30]
+
+Each rank is a fresh interpreter (the ``spawn`` start method: no state is
+inherited, as under torchrun). The parent hosts the rendezvous store on a
+free port chosen by the OS, so concurrent runs never collide. ``fn`` must be
+picklable (a module-level function) and is called as
+``fn(rank, world_size, *args, **kwargs)`` after the default process group is
+initialised; its return value (picklable) comes back in rank order.
+
+Failures surface in the caller as :class:`DistributedTestError` (an
+``AssertionError``, so pytest shows it as a test failure) carrying each
+failing rank's formatted traceback. A rank that dies without reporting (a
+crash, ``os._exit``) is named with its exit code. If the run exceeds
+``timeout`` every live rank dumps its Python stacks to stderr (faulthandler)
+and is killed, so a hung collective fails the test instead of hanging the
+suite. Nothing is left running afterwards.
+
+The module is also a pytest plugin: it provides the ``run_distributed``
+fixture (the same function, with the timeout taken from the
+``distributed_timeout`` marker if present).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+_DEFAULT_TIMEOUT = 120.0
+# After one rank fails, how long the others get to report before being
+# killed (they are usually blocked in a collective that will never finish).
+_GRACE_AFTER_FAILURE = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed, crashed or timed out.
+
+    ``failures`` maps rank -> formatted traceback or reason.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str,
+    timeout: float,
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+) -> None:
+    # Stack dumps on request from the parent when the run times out.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put(("ok", rank, value))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put(("error", rank, traceback.format_exc()))
+    # Flush the queue's feeder thread before the process exits.
+    results.close()
+    results.join_thread()
+
+
+def _kill_all(procs: list[Any], dump_stacks: bool) -> None:
+    live = [p for p in procs if p.is_alive()]
+    if dump_stacks:
+        for p in live:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = _DEFAULT_TIMEOUT,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
+
+    Returns the ranks' return values in rank order; raises
+    :class:`DistributedTestError` if any rank raises, crashes, or the whole
+    run takes longer than ``timeout`` seconds.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0, got {timeout!r}")
+    import datetime
+
+    import torch.distributed as dist
+
+    host = "127.0.0.1"
+    # The parent hosts the store; port 0 lets the OS pick a free port.
+    store = dist.TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, host, store.port, backend, timeout,
+                      args, kwargs, results),
+                name=f"shardstate-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        _kill_all(procs, dump_stacks=False)
+        results.close()
+        results.join_thread()
+        del store
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while len(values) + len(failures) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        try:
+            kind, rank, payload = results.get(timeout=min(0.2, deadline - now))
+        except queue.Empty:
+            # A rank that exited without reporting crashed (or called _exit).
+            for rank, p in enumerate(procs):
+                if (rank not in values and rank not in failures
+                        and p.exitcode is not None):
+                    # Its last message may still be in flight; look once more.
+                    try:
+                        kind, r2, payload = results.get(timeout=0.5)
+                    except queue.Empty:
+                        failures[rank] = (
+                            f"rank {rank} exited with code {p.exitcode} "
+                            "without reporting a result")
+                        continue
+                    (values if kind == "ok" else failures)[r2] = payload
+            continue
+        if kind == "ok":
+            values[rank] = payload
+        else:
+            failures[rank] = payload
+            # Give the other ranks a moment, then stop waiting for them.
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+
+    missing = [r for r in range(world_size) if r not in values and r not in failures]
+    if missing:
+        _kill_all(procs, dump_stacks=timed_out)
+        reason = ("timed out after %.0f s" % timeout) if timed_out else (
+            "stopped waiting after another rank failed")
+        for r in missing:
+            failures[r] = f"rank {r} {reason} (its stacks, if any, are in the captured stderr)"
+    if failures:
+        raise DistributedTestError(_format(failures, world_size), failures)
+    for p in procs:
+        p.join(5.0)
+    return [values[r] for r in range(world_size)]
+
+
+def _format(failures: dict[int, str], world_size: int) -> str:
+    ranks = ", ".join(str(r) for r in sorted(failures))
+    parts = [f"{len(failures)} of {world_size} ranks failed (ranks {ranks})"]
+    for r in sorted(failures):
+        parts.append(f"\n--- rank {r} ---\n{failures[r].rstrip()}")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- pytest plugin
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers",
+        "distributed_timeout(seconds): timeout for the run_distributed fixture",
+    )
+
+
+def _fixture() -> Any:
+    import pytest
+
+    @pytest.fixture(name="run_distributed")
+    def run_distributed_fixture(request: Any) -> Callable[..., list[Any]]:
+        """``run_distributed(fn, world_size, *args, **kwargs)`` for tests."""
+        marker = request.node.get_closest_marker("distributed_timeout")
+        default = float(marker.args[0]) if marker else _DEFAULT_TIMEOUT
+
+        def runner(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any):
+            kwargs.setdefault("timeout", default)
+            return run_distributed(fn, world_size, *args, **kwargs)
+
+        return runner
+
+    return run_distributed_fixture
+
+
+if "pytest" in sys.modules:  # only define the fixture inside a pytest run
+    run_distributed_fixture = _fixture()

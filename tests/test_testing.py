@@ -1,0 +1,95 @@
+"""shardstate.testing.run_distributed: real processes, real gloo groups."""
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from shardstate.testing import DistributedTestError, run_distributed
+
+
+def _allreduce(rank, world_size, scale=1):
+    import torch
+    import torch.distributed as dist
+
+    assert dist.get_rank() == rank and dist.get_world_size() == world_size
+    t = torch.tensor([float(rank * scale)])
+    dist.all_reduce(t)
+    return (rank, os.getpid(), float(t))
+
+
+def _fail_on_rank1(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise KeyError("boom on rank one")
+    dist.barrier()  # never completes: rank 1 is gone
+    return rank
+
+
+def _hang_on_rank0(rank, world_size):
+    if rank == 0:
+        time.sleep(3600)
+    return rank
+
+
+def _crash_on_last(rank, world_size):
+    if rank == world_size - 1:
+        os._exit(3)
+    return rank
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_collective_on_real_processes(world_size):
+    out = run_distributed(_allreduce, world_size, scale=10)
+    expected = float(10 * sum(range(world_size)))
+    assert [r for r, _, _ in out] == list(range(world_size))
+    assert all(v == expected for _, _, v in out)
+    pids = {pid for _, pid, _ in out}
+    assert len(pids) == world_size and os.getpid() not in pids
+    assert mp.active_children() == []
+
+
+def test_failing_rank_surfaces_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank1, 3, timeout=60)
+    err = info.value
+    assert 1 in err.failures
+    assert "KeyError" in err.failures[1] and "boom on rank one" in err.failures[1]
+    assert "_fail_on_rank1" in err.failures[1]  # a real traceback
+    assert "rank 1" in str(err)
+    # The ranks stuck in the barrier were stopped, well before the timeout.
+    assert time.monotonic() - t0 < 45
+    assert mp.active_children() == []
+
+
+def test_hung_rank_times_out_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError, match="timed out") as info:
+        run_distributed(_hang_on_rank0, 2, timeout=8)
+    assert 0 in info.value.failures
+    assert 1 not in info.value.failures  # rank 1 finished normally
+    assert time.monotonic() - t0 < 30
+    assert mp.active_children() == []
+
+
+def test_crashed_rank_is_named_with_exit_code():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_crash_on_last, 2, timeout=60)
+    assert "exited with code 3" in info.value.failures[1]
+    assert mp.active_children() == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        run_distributed(_allreduce, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        run_distributed(_allreduce, 1, timeout=0)
+
+
+@pytest.mark.distributed_timeout(60)
+def test_fixture(run_distributed):
+    out = run_distributed(_allreduce, 2)
+    assert [v for _, _, v in out] == [1.0, 1.0]
