@@ -7,7 +7,8 @@
  * parallel give the value of the whole record.
  *
  * The fastest implementation the CPU supports is chosen once, at first use.
- * Thread safety: all functions are reentrant.
+ * Thread safety: all functions are reentrant; ss_crc_force_portable() is
+ * atomic and may be called at any time (it changes speed, never values).
  */
 #ifndef SS_CRC_H
 #define SS_CRC_H
@@ -24,5 +25,9 @@ uint32_t ss_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 /* Name of the implementation in use for each, e.g. "pclmul", "portable". */
 const char *ss_crc32_impl(void);
 const char *ss_crc32c_impl(void);
+
+/* For tests: on != 0 makes both checksums use the portable code, 0 goes
+ * back to the fastest. Returns the previous setting (0 or 1). */
+int ss_crc_force_portable(int on);
 
 #endif /* SS_CRC_H */
