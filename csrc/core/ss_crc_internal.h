@@ -55,7 +55,9 @@ uint32_t ss__crc32c_portable(uint32_t crc, const void *buf, size_t len);
 uint32_t ss__crc_pclmul(uint32_t crc, const void *buf, size_t len,
                         const ss__crc_fold *k,
                         uint32_t (*portable)(uint32_t, const void *, size_t));
-/* Need AVX512F + VPCLMULQDQ + PCLMULQDQ + SSE4.1. */
+/* Need AVX512F + VPCLMULQDQ + PCLMULQDQ + SSE4.1. Below
+ * SS__CRC_VPCLMUL_MIN bytes it hands the buffer to ss__crc_pclmul. */
+#define SS__CRC_VPCLMUL_MIN 1024
 uint32_t ss__crc_vpclmul(uint32_t crc, const void *buf, size_t len,
                          const ss__crc_fold *k,
                          uint32_t (*portable)(uint32_t, const void *, size_t));

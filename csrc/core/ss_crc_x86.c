@@ -149,7 +149,7 @@ ss__crc_vpclmul(uint32_t crc, const void *buf, size_t len,
     uint32_t reg;
 
     /* Below a few blocks the 512-bit set-up does not pay. */
-    if (len < 1024)
+    if (len < SS__CRC_VPCLMUL_MIN)
         return ss__crc_pclmul(crc, buf, len, k, portable);
     z0 = _mm512_loadu_si512((const void *)(p + 0));
     z1 = _mm512_loadu_si512((const void *)(p + 64));
