@@ -14,7 +14,7 @@
  *
  * Combine: crc(A || B) = crc(A) * x^(8 len(B)) + crc(B) mod P. x^(8n) is a
  * product of entries of a table of x^(2^k) mod P, so a combine costs one
- * carry-less multiply per set bit of len(B).
+ * GF(2) multiply (32 shift-and-xor steps) per set bit of len(B), plus one.
  *
  * Invariants: all tables and pointers are written only inside init_once and
  * read only after it (pthread_once orders the two).

@@ -22,7 +22,9 @@ uint32_t ss_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t ss_crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 uint32_t ss_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 
-/* Name of the implementation in use for each, e.g. "pclmul", "portable". */
+/* Name of the implementation in use for each: "vpclmul", "pclmul" or
+ * "portable" for CRC-32; "vpclmul+sse42", "sse42-3way", "sse42" or
+ * "portable" for CRC-32C. */
 const char *ss_crc32_impl(void);
 const char *ss_crc32c_impl(void);
 

@@ -12,6 +12,8 @@
  * 1-per-cycle throughput, so large buffers are cut into three streams that
  * run interleaved and are recombined with a carry-less multiply "shift":
  * reg * x^(8n) mod P = crc32_u64(0, clmul(reg, x^(8n-33) mod P)).
+ * Where VPCLMULQDQ exists, ss_crc.c runs large CRC-32C buffers through the
+ * same folding code as CRC-32 (with CRC-32C constants) instead.
  *
  * Every function here is compiled with a target attribute and must only be
  * called after the dispatcher in ss_crc.c has checked the CPU features
