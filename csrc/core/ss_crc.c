@@ -1,8 +1,8 @@
 /* ss_crc.c - CRC-32 and CRC-32C: the portable implementation, the
  * combine functions, the constant generator and the run-time dispatch.
  *
- * Portable code: slicing-by-8 over tables built once (pthread_once); it
- * reads 8 bytes at a time assembled byte by byte, so it is correct on any
+ * Portable code: slicing-by-16 over tables built once (pthread_once); it
+ * reads 4-byte words assembled byte by byte, so it is correct on any
  * byte order and alignment (the compiler turns the assembly into one load
  * on little-endian machines).
  *
@@ -33,7 +33,7 @@ typedef uint32_t (*crc_fn)(uint32_t, const void *, size_t);
 
 /* tab[k][b]: the CRC register contribution of byte b followed by k zero
  * bytes; tab[0] is the classic byte-at-a-time table. */
-static uint32_t tab32[8][256], tab32c[8][256];
+static uint32_t tab32[16][256], tab32c[16][256];
 /* pow2[k] = x^(2^k) mod P, reflected. */
 /* x^(2^k) for k < 64 + 3: combine multiplies by x^(8 n), n < 2^64. */
 #define POW2_N 67
@@ -139,9 +139,9 @@ void ss__crc_fold_init(ss__crc_fold *k, uint32_t poly)
     k->poly_mu[1] = reverse33(mu);
 }
 
-/* ---- portable slicing-by-8 ------------------------------------------- */
+/* ---- portable slicing-by-16 ------------------------------------------ */
 
-static void build_tables(uint32_t tab[8][256], uint32_t poly)
+static void build_tables(uint32_t tab[16][256], uint32_t poly)
 {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
@@ -150,28 +150,35 @@ static void build_tables(uint32_t tab[8][256], uint32_t poly)
         tab[0][i] = c;
     }
     for (uint32_t i = 0; i < 256; i++)
-        for (int k = 1; k < 8; k++)
+        for (int k = 1; k < 16; k++)
             tab[k][i] = (tab[k - 1][i] >> 8) ^ tab[0][tab[k - 1][i] & 0xFFu];
 }
 
-static uint32_t slice8(const uint32_t tab[8][256], uint32_t crc,
-                       const void *buf, size_t len)
+static inline uint32_t le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+           (uint32_t)p[3] << 24;
+}
+
+static uint32_t slice16(const uint32_t tab[16][256], uint32_t crc,
+                        const void *buf, size_t len)
 {
     const unsigned char *p = buf;
 
     crc = ~crc;
-    while (len >= 8) {
-        uint32_t lo = (uint32_t)p[0] | (uint32_t)p[1] << 8 |
-                      (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-        uint32_t hi = (uint32_t)p[4] | (uint32_t)p[5] << 8 |
-                      (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
-        lo ^= crc;
-        crc = tab[7][lo & 0xFFu] ^ tab[6][(lo >> 8) & 0xFFu] ^
-              tab[5][(lo >> 16) & 0xFFu] ^ tab[4][lo >> 24] ^
-              tab[3][hi & 0xFFu] ^ tab[2][(hi >> 8) & 0xFFu] ^
-              tab[1][(hi >> 16) & 0xFFu] ^ tab[0][hi >> 24];
-        p += 8;
-        len -= 8;
+    while (len >= 16) {
+        uint32_t w0 = le32(p) ^ crc, w1 = le32(p + 4), w2 = le32(p + 8),
+                 w3 = le32(p + 12);
+        crc = tab[15][w0 & 0xFFu] ^ tab[14][(w0 >> 8) & 0xFFu] ^
+              tab[13][(w0 >> 16) & 0xFFu] ^ tab[12][w0 >> 24] ^
+              tab[11][w1 & 0xFFu] ^ tab[10][(w1 >> 8) & 0xFFu] ^
+              tab[9][(w1 >> 16) & 0xFFu] ^ tab[8][w1 >> 24] ^
+              tab[7][w2 & 0xFFu] ^ tab[6][(w2 >> 8) & 0xFFu] ^
+              tab[5][(w2 >> 16) & 0xFFu] ^ tab[4][w2 >> 24] ^
+              tab[3][w3 & 0xFFu] ^ tab[2][(w3 >> 8) & 0xFFu] ^
+              tab[1][(w3 >> 16) & 0xFFu] ^ tab[0][w3 >> 24];
+        p += 16;
+        len -= 16;
     }
     while (len--)
         crc = (crc >> 8) ^ tab[0][(crc ^ *p++) & 0xFFu];
@@ -183,13 +190,13 @@ static void init_once(void);
 uint32_t ss__crc32_portable(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once_ctl, init_once);
-    return slice8((const uint32_t(*)[256])tab32, crc, buf, len);
+    return slice16((const uint32_t(*)[256])tab32, crc, buf, len);
 }
 
 uint32_t ss__crc32c_portable(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once_ctl, init_once);
-    return slice8((const uint32_t(*)[256])tab32c, crc, buf, len);
+    return slice16((const uint32_t(*)[256])tab32c, crc, buf, len);
 }
 
 /* ---- dispatch --------------------------------------------------------- */

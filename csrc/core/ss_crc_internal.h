@@ -42,7 +42,7 @@ uint32_t ss__crc_xpow(uint32_t poly, uint64_t n);
 /* Fill k with the folding constants of the reflected poly. */
 void ss__crc_fold_init(ss__crc_fold *k, uint32_t poly);
 
-/* The portable (slicing-by-8) implementations. */
+/* The portable (slicing-by-16) implementations. */
 uint32_t ss__crc32_portable(uint32_t crc, const void *buf, size_t len);
 uint32_t ss__crc32c_portable(uint32_t crc, const void *buf, size_t len);
 
