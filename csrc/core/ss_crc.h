@@ -2,7 +2,8 @@
  * CRC-32C (Castagnoli, 0x82F63B78, reflected).
  *
  * Both take and return the finished (post-inverted) value, like zlib's
- * crc32(): start with 0, feed the result back in to continue.
+ * crc32(): start with 0, feed the result back in to continue. buf may be
+ * NULL when len is 0.
  * combine(crc(A), crc(B), len(B)) == crc(A || B), so pieces checksummed in
  * parallel give the value of the whole record.
  *

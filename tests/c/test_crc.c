@@ -127,6 +127,9 @@ static void test_known_vectors(void)
     CHECK_EQ_INT(ss_crc32c(0, ones, 32), 0x62A8AB43u);
     CHECK_EQ_INT(ss_crc32c(0, asc, 32), 0x46DD794Eu);
     CHECK_EQ_INT(ss_crc32c(0, "", 0), 0);
+    /* An empty buffer may be NULL. */
+    CHECK_EQ_INT(ss_crc32(0x12345678u, NULL, 0), 0x12345678u);
+    CHECK_EQ_INT(ss_crc32c(0x12345678u, NULL, 0), 0x12345678u);
 }
 
 /* Every implementation, every length 0..300 at every alignment 0..15,
