@@ -2,6 +2,7 @@
 implementation the machine has (the accelerated one and the forced portable
 one), at every alignment, for every buffer type."""
 
+import platform
 import random
 import threading
 import zlib
@@ -65,11 +66,15 @@ def _buf(seed: int, n: int, offset: int) -> memoryview:
 
 
 def test_accelerated_on_this_machine() -> None:
-    # The CI machines are x86-64 with PCLMULQDQ and SSE4.2: if dispatch
+    # x86-64 machines since 2010 have PCLMULQDQ and SSE4.2: if dispatch
     # silently fell back to the portable code the speed would be lost.
+    # Other architectures have only the portable code so far.
     names = shardstate.crc_implementation()
-    assert names["crc32"] in ("pclmul", "vpclmul")
-    assert names["crc32c"] in ("sse42", "sse42-3way", "vpclmul+sse42")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert names["crc32"] in ("pclmul", "vpclmul")
+        assert names["crc32c"] in ("sse42", "sse42-3way", "vpclmul+sse42")
+    else:
+        assert names == {"crc32": "portable", "crc32c": "portable"}
 
 
 def test_force_portable_returns_previous() -> None:
