@@ -34,8 +34,8 @@ typedef uint32_t (*crc_fn)(uint32_t, const void *, size_t);
 /* tab[k][b]: the CRC register contribution of byte b followed by k zero
  * bytes; tab[0] is the classic byte-at-a-time table. */
 static uint32_t tab32[16][256], tab32c[16][256];
-/* pow2[k] = x^(2^k) mod P, reflected. */
-/* x^(2^k) for k < 64 + 3: combine multiplies by x^(8 n), n < 2^64. */
+/* pow2[k] = x^(2^k) mod P, reflected, for k < 64 + 3: combine multiplies
+ * by x^(8 n) for any n < 2^64. */
 #define POW2_N 67
 static uint32_t pow2_32[POW2_N], pow2_32c[POW2_N];
 static ss__crc_fold fold32, fold32c;
