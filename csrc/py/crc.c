@@ -1,6 +1,8 @@
-/* crc.c - crc32(), crc32c() and their combine functions.
+/* crc.c - crc32(), crc32c() and their combine functions, and the test-only
+ * _crc_force_portable().
  * Buffers are read through the buffer protocol; the GIL is released while
- * large ones are checksummed. */
+ * large ones are checksummed. Thread safety: as ss_crc.h; the
+ * force-portable switch is process-wide (tests only). */
 #include "module.h"
 #include "ss_crc.h"
 
@@ -101,6 +103,18 @@ static PyObject *py_crc_impl(PyObject *m, PyObject *unused)
                          ss_crc32c_impl());
 }
 
+/* Test-only: route both checksums through the portable code (or back).
+ * Process-wide; returns the previous setting. */
+static PyObject *py_crc_force_portable(PyObject *m, PyObject *on)
+{
+    int flag = PyObject_IsTrue(on);
+
+    (void)m;
+    if (flag < 0)
+        return NULL;
+    return PyBool_FromLong(ss_crc_force_portable(flag));
+}
+
 static PyMethodDef crc_methods[] = {
     {"crc32", (PyCFunction)(void (*)(void))py_crc32,
      METH_VARARGS | METH_KEYWORDS,
@@ -120,6 +134,9 @@ static PyMethodDef crc_methods[] = {
      "crc32c(A), crc32c(B) and len(B)."},
     {"crc_implementation", py_crc_impl, METH_NOARGS,
      "crc_implementation()\n--\n\nWhich implementation each checksum uses."},
+    {"_crc_force_portable", py_crc_force_portable, METH_O,
+     "_crc_force_portable(on)\n--\n\nTest-only: make crc32/crc32c use the "
+     "portable code (process-wide). Returns the previous setting."},
     {NULL, NULL, 0, NULL},
 };
 
