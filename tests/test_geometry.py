@@ -393,6 +393,11 @@ def test_copy_torch_tensors():
     expect = torch.zeros(6, 8, dtype=torch.bfloat16).t()
     expect[1:6, 2:6] = src[0:5, 1:5]
     assert torch.equal(dst, expect)
+    f8 = torch.randn(4, 4).to(torch.float8_e4m3fn)
+    g8 = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    copy_region(g8, (1, 0), f8, (0, 0), (3, 4))
+    assert torch.equal(g8[1:].view(torch.uint8), f8[:3].view(torch.uint8))
+    assert not g8[0].view(torch.uint8).any()
     # Mixed with NumPy, and a tensor that requires grad as the source.
     w = torch.arange(12.0, requires_grad=True).reshape(3, 4)
     out = np.zeros((3, 4), np.float32)

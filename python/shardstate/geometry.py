@@ -97,6 +97,16 @@ def overlaps(saved_boxes: Sequence[Box], request: Box) -> list[Overlap]:
     return OverlapIndex(saved_boxes, ndim=len(offsets)).query(offsets, sizes)
 
 
+def _numpy_dtypes(torch: Any) -> frozenset[Any]:
+    """torch dtypes that Tensor.numpy() converts. Decided up front rather
+    than by catching its TypeError: a C++ exception thrown under an
+    LD_PRELOADed ASan runtime aborts the process."""
+    return frozenset({
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    })
+
+
 def _as_array(x: Any, name: str) -> np.ndarray:
     """A NumPy view of x sharing its memory: an ndarray, or a CPU tensor.
 
@@ -111,14 +121,13 @@ def _as_array(x: Any, name: str) -> np.ndarray:
         if x.device.type != "cpu":
             raise ValueError(f"copy_region: {name} is on {x.device}; only CPU tensors")
         t = x.detach()
-        try:
-            return t.numpy()
-        except TypeError:  # no NumPy dtype: view the bits as an int
+        if t.dtype not in _numpy_dtypes(torch):  # view the bits as an int
             ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
             width = t.element_size()
             if width not in ints:
-                raise
-            return t.view(ints[width]).numpy()
+                raise TypeError(f"copy_region: {name} has unsupported dtype {t.dtype}")
+            t = t.view(ints[width])
+        return t.numpy()
     raise TypeError(
         f"copy_region: {name} must be a numpy.ndarray or a CPU torch.Tensor, "
         f"got {type(x).__name__}"
