@@ -285,10 +285,10 @@ def make_view(base_alloc, shape, lay):
 
 
 @st.composite
-def copy_case(draw):
+def copy_case(draw, ndims=(0, 4), max_len=5):
     dtype = draw(st.sampled_from(DTYPES))
-    ndim = draw(st.integers(0, 4))
-    lengths = [draw(st.integers(0, 5)) for _ in range(ndim)]
+    ndim = draw(st.integers(*ndims))
+    lengths = [draw(st.integers(0, max_len)) for _ in range(ndim)]
     dshape = [n + draw(st.integers(0, 3)) for n in lengths]
     sshape = [n + draw(st.integers(0, 3)) for n in lengths]
     doff = [draw(st.integers(0, a - n)) for a, n in zip(dshape, lengths)]
@@ -300,6 +300,17 @@ def copy_case(draw):
 @SETTINGS
 @given(copy_case(), st.sampled_from([None, 2]))
 def test_copy_matches_numpy(case, threads):
+    check_copy(case, threads)
+
+
+@settings(max_examples=40, deadline=None)
+@given(copy_case(ndims=(2, 3), max_len=40), st.sampled_from([None, 2]))
+def test_copy_long_dims_matches_numpy(case, threads):
+    # Long enough dims for the tiled path taken by transposing copies.
+    check_copy(case, threads)
+
+
+def check_copy(case, threads):
     dtype, lengths, dshape, doff, dlay, sshape, soff, slay, seed = case
     rng = np.random.default_rng(seed)
     dbase, dst = make_view(lambda s: random_base(rng, s, dtype), dshape, dlay)

@@ -12,7 +12,10 @@
  * both buffers flipped, dims sorted by dst stride, dims contiguous in both
  * merged) and then walked as rows of the innermost dim, addressed by
  * int64 byte offsets so no pointer outside the regions is ever formed.
- * Pool tasks take disjoint ranges of the row-major element order.
+ * When src is contiguous along another dim than dst (a transpose), that
+ * dim and the innermost are walked in tiles instead. Pool tasks take
+ * disjoint ranges of the row-major element order (or of the tiles), so
+ * they never write the same byte.
  */
 #include "ss_geom.h"
 
@@ -42,7 +45,7 @@ struct ss_geom_index {
     int64_t *nlo, *nhi; /* cap_nodes x ndim */
 };
 
-/* ---- validation ---------------------------------------------------------- */
+/* ---- validation --------------------------------------------------------- */
 
 /* 1 when the box is valid; fills err otherwise. */
 static int box_ok(int ndim, const int64_t *off, const int64_t *size,
@@ -70,7 +73,7 @@ static int box_empty(int ndim, const int64_t *size)
     return 0;
 }
 
-/* ---- build --------------------------------------------------------------- */
+/* ---- build -------------------------------------------------------------- */
 
 typedef struct {
     ss_geom_index *ix;
@@ -376,7 +379,7 @@ int ss_geom_index_ndim(const ss_geom_index *ix)
     return ix->ndim;
 }
 
-/* ---- query --------------------------------------------------------------- */
+/* ---- query -------------------------------------------------------------- */
 
 void ss_overlaps_init(ss_overlaps *o)
 {
@@ -569,7 +572,7 @@ int ss_geom_query_many(const ss_geom_index *ix, size_t m,
     return query_common(ix, m, offsets, sizes, out, err);
 }
 
-/* ---- N-d strided copy ---------------------------------------------------- */
+/* ---- N-d strided copy --------------------------------------------------- */
 
 typedef struct {
     int nd; /* >= 1 after normalisation */
@@ -579,7 +582,12 @@ typedef struct {
     const char *src;
     size_t elsize;
     int64_t total;       /* elements */
-    int64_t piece;       /* elements per pool task */
+    /* Blocked mode (tile > 0): the last two dims are copied in tiles of
+     * tile x tile elements; a unit is one tile-row (tile rows of dim nd-2
+     * by all of dim nd-1) under one index of the outer dims. */
+    int64_t tile, jblocks;
+    int64_t work;        /* elements, or units in blocked mode */
+    int64_t piece;       /* work per pool task */
 } copy_plan;
 
 /* *r = a * b for a, b >= 0; 0 on overflow. */
@@ -659,13 +667,80 @@ static void copy_range(const copy_plan *p, int64_t e0, int64_t e1)
     }
 }
 
+/* Blocked mode: copy the units [u0, u1). Within a tile, rows of the dst-
+ * contiguous dim are written in order while the src lines they read stay
+ * in cache for the next rows: a transpose costs sequential traffic. */
+static void copy_units(const copy_plan *p, int64_t u0, int64_t u1)
+{
+    int J = p->nd - 2, I = p->nd - 1;
+    int64_t T = p->tile;
+
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t r = u / p->jblocks, j0 = (u % p->jblocks) * T;
+        int64_t nj = p->size[J] - j0 < T ? p->size[J] - j0 : T;
+        int64_t doff = j0 * p->dstr[J], soff = j0 * p->sstr[J];
+        for (int d = J - 1; d >= 0; d--) {
+            int64_t k = r % p->size[d];
+            r /= p->size[d];
+            doff += k * p->dstr[d];
+            soff += k * p->sstr[d];
+        }
+        for (int64_t i0 = 0; i0 < p->size[I]; i0 += T) {
+            int64_t ni = p->size[I] - i0 < T ? p->size[I] - i0 : T;
+            for (int64_t j = 0; j < nj; j++)
+                copy_row(p->dst + doff + j * p->dstr[J] + i0 * p->dstr[I],
+                         p->dstr[I],
+                         p->src + soff + j * p->sstr[J] + i0 * p->sstr[I],
+                         p->sstr[I], ni, p->elsize);
+        }
+    }
+}
+
 static void copy_task(void *ctx, size_t i)
 {
     const copy_plan *p = ctx;
-    int64_t e0 = (int64_t)i * p->piece;
-    int64_t e1 = e0 + p->piece < p->total ? e0 + p->piece : p->total;
-    if (e0 < e1)
-        copy_range(p, e0, e1);
+    int64_t w0 = (int64_t)i * p->piece;
+    int64_t w1 = w0 + p->piece < p->work ? w0 + p->piece : p->work;
+    if (w0 >= w1)
+        return;
+    if (p->tile > 0)
+        copy_units(p, w0, w1);
+    else
+        copy_range(p, w0, w1);
+}
+
+/* Switch to blocked mode when the dim src walks contiguously is not the
+ * innermost (dst-contiguous) one and the innermost one jumps far in src:
+ * move that dim next to the innermost and tile the pair. */
+static void plan_blocking(copy_plan *p)
+{
+    int I = p->nd - 1, J = 0;
+    int64_t T = 256 / (int64_t)p->elsize;
+
+    p->tile = 0;
+    if (p->nd < 2)
+        return;
+    for (int d = 1; d < p->nd; d++)
+        if (abs64(p->sstr[d]) < abs64(p->sstr[J]))
+            J = d;
+    if (J == I || abs64(p->sstr[I]) < 256 || p->size[J] < 8 ||
+        p->size[I] < 8)
+        return;
+    /* Move J to nd - 2; the order of outer dims does not matter. */
+    {
+        int64_t sz = p->size[J], ds = p->dstr[J], ss = p->sstr[J];
+        for (int d = J; d < I - 1; d++) {
+            p->size[d] = p->size[d + 1];
+            p->dstr[d] = p->dstr[d + 1];
+            p->sstr[d] = p->sstr[d + 1];
+        }
+        p->size[I - 1] = sz;
+        p->dstr[I - 1] = ds;
+        p->sstr[I - 1] = ss;
+    }
+    p->tile = T < 8 ? 8 : (T > 64 ? 64 : T);
+    p->jblocks = (p->size[I - 1] + p->tile - 1) / p->tile;
+    p->work = p->total / (p->size[I - 1] * p->size[I]) * p->jblocks;
 }
 
 /* Byte range [lo, hi) spanned by a region; 0 on int64 overflow. */
@@ -815,7 +890,9 @@ int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
         }
         p.nd = w + 1;
     }
-    p.piece = p.total;
+    p.work = p.total;
+    plan_blocking(&p);
+    p.piece = p.work;
     if (ss_pool_threads(pool) > 0 && bytes > SS_COPY_PARALLEL_MIN) {
         /* About four pieces per thread for balance, none under 256 KiB. */
         int64_t want = 4 * ((int64_t)ss_pool_threads(pool) + 1);
@@ -823,12 +900,10 @@ int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
         int64_t n = want < cap ? want : cap;
         if (n < 2)
             n = 2;
-        p.piece = (p.total + n - 1) / n;
-        rc = ss_pool_run(pool, (size_t)((p.total + p.piece - 1) / p.piece),
-                         copy_task, &p);
-        goto out;
+        p.piece = (p.work + n - 1) / n;
     }
-    copy_range(&p, 0, p.total);
+    rc = ss_pool_run(pool, (size_t)((p.work + p.piece - 1) / p.piece),
+                     copy_task, &p);
 out:
     return rc;
 }

@@ -90,8 +90,9 @@ int ss_geom_query_many(const ss_geom_index *ix, size_t m,
  * to dst + sum(i_d*dst_strides[d]). Strides are in bytes and may be
  * negative or unaligned (elements are moved with memcpy); src strides may
  * be 0 (broadcast). Adjacent dimensions contiguous in both are merged,
- * contiguous rows are copied with memcpy, and copies over 1 MiB are split
- * over pool's threads (pool may be NULL).
+ * contiguous rows are copied with memcpy, transposing copies are done in
+ * cache-sized tiles, and copies over 1 MiB are split over pool's threads
+ * (pool may be NULL).
  *
  * Errors: SS_EINVAL for ndim outside [0, SS_GEOM_MAX_NDIM], a negative size,
  * elsize 0, a NULL buffer with a non-empty region, or a dst stride of 0

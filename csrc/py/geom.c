@@ -284,7 +284,7 @@ static PyType_Spec GeomIndex_spec = {
     .slots = GeomIndex_slots,
 };
 
-/* ---- copy_region --------------------------------------------------------- */
+/* ---- copy_region -------------------------------------------------------- */
 
 /* obj, a sequence of n ints, into out. -1 with an exception on error. */
 static int int64_vec(PyObject *obj, int n, const char *name, int64_t *out)

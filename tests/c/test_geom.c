@@ -97,7 +97,8 @@ static void test_random_boxes(void)
 static void test_tiling_visits_few(void)
 {
     size_t n = 10000;
-    int64_t *off = malloc(2 * n * sizeof *off), *sz = malloc(2 * n * sizeof *sz);
+    int64_t *off = malloc(2 * n * sizeof *off);
+    int64_t *sz = malloc(2 * n * sizeof *sz);
     ss_geom_index *ix = NULL;
     ss_overlaps o;
     int64_t qo[2] = {5000 * 3 + 1, 0}, qs[2] = {4, 7};
@@ -251,6 +252,15 @@ static void test_copy_random(void)
         int64_t sizes[4];
         for (int d = 0; d < nd; d++)
             sizes[d] = rnd_in(0, 7);
+        check_copy_case(trial % 2 ? pool : NULL, nd, sizes,
+                        els[rnd() % (sizeof els / sizeof *els)]);
+    }
+    /* Dims long enough for the tiled (transposing) path. */
+    for (int trial = 0; trial < 150; trial++) {
+        int nd = (int)rnd_in(2, 3);
+        int64_t sizes[3];
+        for (int d = 0; d < nd; d++)
+            sizes[d] = rnd_in(1, 80);
         check_copy_case(trial % 2 ? pool : NULL, nd, sizes,
                         els[rnd() % (sizeof els / sizeof *els)]);
     }
