@@ -104,12 +104,22 @@ static int64_t median3(int64_t a, int64_t b, int64_t c)
 /* Reorder [lo, hi) so that position nth holds the key it would hold if
  * sorted, smaller-or-equal keys before it and greater-or-equal after.
  * Three-way partitions, so runs of equal keys (common in grids) stay
- * linear. */
+ * linear. Pivots are the median of three pseudo-random positions (a fixed
+ * sequence, so builds are deterministic): fixed positions degrade to
+ * quadratic on the rotated runs a partition of sorted input leaves. */
 static void select_nth(size_t *perm, int64_t *key, size_t lo, size_t hi,
                        size_t nth)
 {
+    uint64_t rng = 0x9E3779B97F4A7C15ull;
     while (hi - lo > 1) {
-        int64_t p = median3(key[lo], key[lo + (hi - lo) / 2], key[hi - 1]);
+        size_t pos[3];
+        for (int k = 0; k < 3; k++) { /* xorshift64 */
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            pos[k] = lo + (size_t)(rng % (uint64_t)(hi - lo));
+        }
+        int64_t p = median3(key[pos[0]], key[pos[1]], key[pos[2]]);
         size_t lt = lo, i = lo, gt = hi;
         while (i < gt) {
             if (key[i] < p)
