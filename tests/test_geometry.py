@@ -150,6 +150,8 @@ def test_query_many_is_the_queries_concatenated(case):
         for got, want in zip(cols, single):
             np.testing.assert_array_equal(got[mask], want)
     assert len(req_idx) == sum(len(index.query(o, s)[0]) for o, s in requests)
+    wrapped = OverlapIndex(boxes, ndim=ndim)
+    assert wrapped.query_many(requests) == [brute_overlaps(boxes, r) for r in requests]
 
 
 def test_scalar_and_empty_boxes():

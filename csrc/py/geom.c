@@ -52,6 +52,7 @@ static int box_arrays(PyObject *o, PyObject *s, int want_nd,
                       npy_intp last_dim, const char *fn,
                       PyArrayObject **ao, PyArrayObject **as)
 {
+    *as = NULL;
     *ao = as_int64(o, fn);
     if (*ao == NULL)
         goto fail;

@@ -41,6 +41,7 @@ class Overlap(NamedTuple):
 
 
 def _box_arrays(boxes: Sequence[Box], ndim: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(n, ndim) int64 offsets and sizes from a list of (offsets, sizes)."""
     if ndim is None:
         if not boxes:
             raise ValueError("OverlapIndex: ndim is needed when there are no boxes")
@@ -86,9 +87,19 @@ class OverlapIndex:
         """Every overlap with the request, in ascending saved index order."""
         idx, soff, roff, lens = self._index.query(offsets, sizes)
         return [
-            Overlap(int(i), tuple(s.tolist()), tuple(r.tolist()), tuple(n.tolist()))
-            for i, s, r, n in zip(idx, soff, roff, lens)
+            Overlap(i, tuple(s), tuple(r), tuple(n))
+            for i, s, r, n in zip(idx.tolist(), soff.tolist(), roff.tolist(), lens.tolist())
         ]
+
+    def query_many(self, requests: Sequence[Box]) -> list[list[Overlap]]:
+        """``[self.query(*r) for r in requests]`` in one call to the core."""
+        offsets, sizes = _box_arrays(requests, self.ndim)
+        req, idx, soff, roff, lens = self._index.query_many(offsets, sizes)
+        out: list[list[Overlap]] = [[] for _ in requests]
+        for j, i, s, r, n in zip(req.tolist(), idx.tolist(), soff.tolist(), roff.tolist(),
+                                 lens.tolist()):
+            out[j].append(Overlap(i, tuple(s), tuple(r), tuple(n)))
+        return out
 
 
 def overlaps(saved_boxes: Sequence[Box], request: Box) -> list[Overlap]:
