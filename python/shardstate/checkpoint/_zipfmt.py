@@ -255,7 +255,9 @@ def _central_header(name: bytes, crc: int, size: int, ofs: int) -> bytes:
     big, far = size >= _U32, ofs >= _U32
     z64 = _zip64_extra(size if big else None, size if big else None, ofs if far else None)
     s32, o32 = min(size, _U32), min(ofs, _U32)
-    h = _CDH.pack(_SIG_CDH, 0, 0, _flags(size), 0, 0, 0, crc, s32, s32, len(name), len(z64), 0, 0, 0, 0, o32)
+    h = _CDH.pack(
+        _SIG_CDH, 0, 0, _flags(size), 0, 0, 0, crc, s32, s32, len(name), len(z64), 0, 0, 0, 0, o32
+    )
     return h + name + z64
 
 
@@ -547,7 +549,9 @@ def _parse_zip(buf: memoryview) -> tuple[str, list[RecordEntry]]:
     # The writer adds no archive comment, so the end record is the last 22
     # bytes, preceded by the zip64 locator and the zip64 end record.
     eocd_ofs = end - _EOCD.size
-    sig, d0, d1, n_disk, n_all, cd_size32, cd_ofs32, clen = _unpack(_EOCD, buf, eocd_ofs, end, "end record")
+    sig, d0, d1, n_disk, n_all, cd_size32, cd_ofs32, clen = _unpack(
+        _EOCD, buf, eocd_ofs, end, "end record"
+    )
     if sig != _SIG_EOCD or clen != 0 or d0 or d1 or n_disk != n_all:
         raise _fail("bad end-of-central-directory record")
     loc_ofs = eocd_ofs - _Z64_LOC.size
@@ -563,7 +567,8 @@ def _parse_zip(buf: memoryview) -> tuple[str, list[RecordEntry]]:
         raise _fail("bad zip64 end-of-central-directory record")
     if n_all64 > _MAX_ENTRIES or n_all64 == 0:
         raise _fail(f"{n_all64} entries (expected 1..{_MAX_ENTRIES})")
-    if n_all != min(n_all64, 0xFFFF) or cd_size32 != min(cd_size, _U32) or cd_ofs32 != min(cd_ofs, _U32):
+    expect32 = (min(n_all64, 0xFFFF), min(cd_size, _U32), min(cd_ofs, _U32))
+    if (n_all, cd_size32, cd_ofs32) != expect32:
         raise _fail("end record disagrees with the zip64 end record")
     if cd_ofs + cd_size != z64_ofs:
         raise _fail(f"central directory [{cd_ofs}, +{cd_size}) does not end at {z64_ofs}")
@@ -623,7 +628,14 @@ def _parse_zip(buf: memoryview) -> tuple[str, list[RecordEntry]]:
 
 
 def _check_local(
-    buf: memoryview, ofs: int, name_raw: memoryview, flags: int, crc: int, size: int, limit: int, name: str
+    buf: memoryview,
+    ofs: int,
+    name_raw: memoryview,
+    flags: int,
+    crc: int,
+    size: int,
+    limit: int,
+    name: str,
 ) -> RecordEntry:
     sig, _vn, lflags, method, _t, _d, lcrc, lcsize, lusize, nlen, xlen = _unpack(
         _LFH, buf, ofs, limit, "local file header"
@@ -720,6 +732,11 @@ def _reduce(fn: object, args: object) -> object:
     v3 = (fn.module, fn.name) == _REBUILD_V3
     if (fn.module, fn.name) != _REBUILD_V2 and not v3:
         raise _fail(f"REDUCE calls {fn.module}.{fn.name}")
+    if not v3 and len(args) == 7 and type(args[6]) is dict:
+        raise _fail(
+            f"tensor metadata {sorted(args[6])} (conj/neg bits) is not supported; "
+            "save the tensor with resolve_conj()/resolve_neg()"
+        )
     if len(args) != (7 if v3 else 6):
         raise _fail(
             f"{fn.name} called with {len(args)} arguments; tensor metadata "
@@ -732,7 +749,9 @@ def _reduce(fn: object, args: object) -> object:
         raise _fail(f"{fn.name} requires_grad/backward_hooks arguments are malformed")
     if v3:
         g = args[6]
-        if st.dtype is not None or not isinstance(g, _Global) or g.module != "torch" or g.name not in _V3_DTYPES:
+        if st.dtype is not None or not (
+            isinstance(g, _Global) and g.module == "torch" and g.name in _V3_DTYPES
+        ):
             raise _fail("_rebuild_tensor_v3 needs an UntypedStorage and a torch dtype")
         dt = _V3_DTYPES[g.name]
     else:
@@ -863,6 +882,14 @@ def _walk_pickle(p: memoryview) -> _Tensor:
             stack.append(True)
         elif op == b"\x89":
             stack.append(False)
+        elif op == b"}":  # EMPTY_DICT: only as _rebuild_tensor_v2's metadata
+            stack.append({})
+        elif op == b"s":  # SETITEM, str -> bool (e.g. {"conj": True})
+            v, k = pop(), pop()
+            d = stack[-1] if stack else None
+            if type(d) is not dict or type(k) is not str or type(v) is not bool or len(d) >= 8:
+                raise _fail("SETITEM outside a small str->bool metadata dict")
+            d[k] = v
         elif op == b"Q":  # BINPERSID
             stack.append(_persistent_load(pop()))
         elif op == b"R":  # REDUCE
@@ -918,11 +945,16 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
     if 0 not in t.shape:
         span = t.offset + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))
         if span > storage_numel:
-            raise _fail(f"size {t.shape} stride {t.stride} offset {t.offset} overrun a storage of {storage_numel}")
+            raise _fail(
+                f"size {t.shape} stride {t.stride} offset {t.offset} "
+                f"overrun a storage of {storage_numel}"
+            )
     elif t.offset > storage_numel:
         raise _fail(f"storage offset {t.offset} past a storage of {storage_numel}")
     shifted = tuple(
-        RecordEntry(e.name, e.header_offset + base_offset, e.data_offset + base_offset, e.size, e.crc32)
+        RecordEntry(
+            e.name, e.header_offset + base_offset, e.data_offset + base_offset, e.size, e.crc32
+        )
         for e in entries
     )
     return RecordInfo(
