@@ -312,11 +312,11 @@ def _serialization_id(names: Sequence[str], crcs: Sequence[int]) -> bytes:
 _Record = tuple[str, Union[bytes, int]]  # (name, payload) or (name, size of streamed data)
 
 
-def _assemble(records: Sequence[_Record], stream_crc: int) -> tuple[list[bytes], int]:
+def _assemble(records: Sequence[_Record], stream_crc: int) -> tuple[list[bytes | None], int]:
     """Lays out the archive. At most one record has an int payload (its size):
     its bytes are streamed by the caller and represented here by a None chunk.
     Returns the chunks and the streamed record's offset in the archive."""
-    chunks: list[bytes] = []
+    chunks: list[bytes | None] = []
     cd: list[bytes] = []
     names: list[str] = []
     crcs: list[int] = []
@@ -332,12 +332,13 @@ def _assemble(records: Sequence[_Record], stream_crc: int) -> tuple[list[bytes],
         chunks.append(head)
         if isinstance(payload, int):
             stream_ofs = cursor + len(head)
-            chunks.append(None)  # type: ignore[arg-type]
+            chunks.append(None)
         else:
             chunks.append(payload)
-        chunks.append(_descriptor(crc, size, z64))
+        desc = _descriptor(crc, size, z64)
+        chunks.append(desc)
         cd.append(_central_header(full, crc, size, cursor))
-        cursor += len(head) + size + len(chunks[-1])
+        cursor += len(head) + size + len(desc)
         names.append(name)
         if size:  # torch hashes the CRCs it sees in data descriptors
             crcs.append(crc)
@@ -382,8 +383,8 @@ class TensorRecordPlan:
         if not 0 <= data_crc32 <= _U32:
             raise ValueError(f"data_crc32 must be an unsigned 32-bit value, got {data_crc32}")
         chunks, _ = _assemble(self._records, data_crc32)
-        i = chunks.index(None)  # type: ignore[arg-type]
-        return b"".join(chunks[i + 1 :])
+        i = chunks.index(None)
+        return b"".join(c for c in chunks[i + 1 :] if c is not None)
 
     @property
     def total_length(self) -> int:
@@ -430,7 +431,7 @@ def plan_tensor_record(
         ("version", _VERSION),
     )
     chunks, data_ofs = _assemble(records, 0)
-    header = b"".join(chunks[: chunks.index(None)])  # type: ignore[arg-type]
+    header = b"".join(c for c in chunks[: chunks.index(None)] if c is not None)
     assert len(header) == data_ofs and data_ofs % _ALIGN == 0
     return TensorRecordPlan(header, data_ofs, nbytes, records)
 
@@ -462,7 +463,7 @@ def bytes_record(pickle_bytes: bytes) -> bytes:
     items, e.g. ``b"\\x80\\x02K\\x03."`` for the int 3."""
     records = _prefix_records(bytes(pickle_bytes)) + [("version", _VERSION)]
     chunks, _ = _assemble(records, 0)
-    return b"".join(chunks)
+    return b"".join(c for c in chunks if c is not None)
 
 
 # --------------------------------------------------------------------------
