@@ -1,0 +1,1 @@
+"""torch.distributed.checkpoint drop-in (package marker; the API arrives later)."""
