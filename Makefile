@@ -13,7 +13,9 @@ CFLAGS_C := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-missing-field-initializers
             -Icsrc/core -Itests/c
 CORE_SRC := $(sort $(wildcard csrc/core/*.c))
 CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_*.c)))
-LIBASAN   = $(shell $(CC) -print-file-name=libasan.so)
+# libstdc++ is preloaded beside libasan: without it a C++ exception thrown
+# inside torch aborts the process under the ASan runtime.
+LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
 .PHONY: all venv build test ctest asan-test demo bench clean
 
@@ -52,7 +54,7 @@ ctest: $(CTESTS)
 # normal build is restored afterwards.
 asan-test: $(STAMP)
 	SHARDSTATE_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force
-	LD_PRELOAD=$(LIBASAN) PYTHONMALLOC=malloc \
+	LD_PRELOAD="$(LIBASAN)" PYTHONMALLOC=malloc \
 	    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	    $(PY) -m pytest -q -p no:cacheprovider tests; st=$$?; \

@@ -7,6 +7,7 @@ and ``shardstate.fsdp``.
 
 from ._core import (
     ChecksumError,
+    GeomIndex,
     ShardstateError,
     ShardstateIOError,
     ThreadPool,
@@ -17,10 +18,17 @@ from ._core import (
     crc_implementation,
 )
 
+from .geometry import Overlap, OverlapIndex, copy_region, overlaps
+
 __version__ = "0.1.0"
 
 __all__ = [
     "ChecksumError",
+    "GeomIndex",
+    "Overlap",
+    "OverlapIndex",
+    "copy_region",
+    "overlaps",
     "ShardstateError",
     "ShardstateIOError",
     "ThreadPool",
