@@ -116,6 +116,12 @@ def test_verify_catches_flipped_byte(tmp_path):
     # without verify the bytes come back, with their (different) CRC
     crcs = sio.read(jobs, verify=False)
     assert crcs[1] == zlib.crc32(bytes(raw[100:])) != crc1
+    assert out == raw[100:]
+    # checksum=False still verifies the jobs that carry a CRC
+    with pytest.raises(shardstate.ChecksumError):
+        sio.read(jobs, checksum=False)
+    assert sio.read([jobs[0], sio.ReadJob(p, 100, out)], checksum=False) == [crc0, 0]
+    assert sio.read(jobs, checksum=False, verify=False) == [0, 0]
 
 
 def test_out_of_range_read_is_an_error_not_a_short_read(tmp_path):
@@ -257,7 +263,7 @@ def test_core_entry_points_validate(tmp_path):
     )
     assert crcs == [zlib.crc32(b"ab"), zlib.crc32(b"cd")]
     with pytest.raises(ValueError, match="crcs"):
-        _core.read_batch([p], [0], [0], [bytearray(2)], [2**40], None, True, 0, None)
+        _core.read_batch([p], [0], [0], [bytearray(2)], [2**40], None, True, True, 0, None)
 
 
 def test_raw_baselines(tmp_path):

@@ -88,7 +88,8 @@ typedef struct {
     const ss_io_rjob *r;
     piece *pieces;
     uint32_t *piece_crc;
-    int want_crc;
+    int checksum; /* every job's CRC is computed */
+    int verify;   /* read jobs with has_crc get theirs computed and checked */
     atomic_int failed;
     pthread_mutex_t mu;
     ss_errinfo first;
@@ -105,6 +106,12 @@ static uint32_t job_file(const batch *b, size_t j)
 static int64_t job_offset(const batch *b, size_t j)
 {
     return b->w != NULL ? b->w[j].offset : b->r[j].offset;
+}
+
+/* Whether job j's CRC is computed. */
+static int wants_crc(const batch *b, size_t j)
+{
+    return b->checksum || (b->r != NULL && b->verify && b->r[j].has_crc);
 }
 
 /* Keep the first failure (any thread). job < 0 when none is involved. */
@@ -137,7 +144,7 @@ static void piece_task(void *ctx, size_t i)
         return;
     if (b->w != NULL) {
         const char *p = (const char *)b->w[pc->job].src + pc->start;
-        if (b->want_crc) /* just before the write: the bytes stay in cache */
+        if (b->checksum) /* just before the write: the bytes stay in cache */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
         rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
         if (rc < 0)
@@ -147,7 +154,7 @@ static void piece_task(void *ctx, size_t i)
         rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
         if (rc < 0)
             record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
-        else if (b->want_crc) /* right after the read, while hot */
+        else if (wants_crc(b, pc->job)) /* right after the read, while hot */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
     }
 }
@@ -274,7 +281,7 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
 {
     const ss_io_opts defaults = SS_IO_OPTS_INIT;
     size_t psize, *first = NULL;
-    int rc = 0, verify = 0;
+    int rc = 0;
     batch b = {0};
 
     if (opts == NULL || opts->size < sizeof *opts)
@@ -287,9 +294,8 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     atomic_init(&b.failed, 0);
     pthread_mutex_init(&b.mu, NULL);
     ss_errinfo_clear(&b.first);
-    for (size_t j = 0; r != NULL && opts->verify && j < njobs; j++)
-        verify |= r[j].has_crc;
-    b.want_crc = w != NULL ? opts->checksum : (crcs != NULL || verify);
+    b.checksum = opts->checksum;
+    b.verify = opts->verify;
 
     b.fds = malloc((npaths ? npaths : 1) * sizeof *b.fds);
     if (b.fds == NULL) {
@@ -321,7 +327,7 @@ out:
     rc = b.first.code;
     for (size_t j = 0; rc == 0 && j < njobs; j++) {
         uint32_t crc = 0;
-        for (size_t i = first[j]; b.want_crc && i < first[j + 1]; i++)
+        for (size_t i = first[j]; wants_crc(&b, j) && i < first[j + 1]; i++)
             crc = i == first[j] ? b.piece_crc[i]
                                 : ss_crc32_combine(crc, b.piece_crc[i],
                                                    b.pieces[i].len);

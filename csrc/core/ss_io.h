@@ -43,8 +43,8 @@ typedef struct ss_io_opts {
     size_t size;  /* sizeof(ss_io_opts), for growth */
     size_t piece; /* bytes per task; 0 = SS_IO_PIECE_DEFAULT */
     int fsync;    /* write: fsync every file before closing it */
-    int checksum; /* write: compute CRCs (else they are reported as 0) */
-    int verify;   /* read: compare CRCs with jobs that carry one */
+    int checksum; /* compute every job's CRC (else reported as 0) */
+    int verify;   /* read: compute and compare the CRC of jobs with has_crc */
 } ss_io_opts;
 
 #define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1}
@@ -73,9 +73,9 @@ int ss_io_write(const ss_os *os, ss_pool *pool, const char *const *paths,
                 const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err);
 
 /* Read every job into its buffer; crcs (may be NULL) receives each job's
- * CRC-32 of the bytes read. CRCs are computed when crcs != NULL or when a
- * job is verified. A verified mismatch is SS_ECHECKSUM, with the job's path
- * and offset in *err. */
+ * CRC-32 of the bytes read, computed when opts->checksum is on or the job is
+ * verified (else 0). A verified mismatch is SS_ECHECKSUM, with the job's
+ * path and offset in *err. */
 int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
                size_t npaths, const ss_io_rjob *jobs, size_t njobs,
                const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err);

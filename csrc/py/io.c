@@ -475,10 +475,11 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
     ss_errinfo info;
     int rc;
 
-    if (check_nargs("read_batch", nargs, 9) < 0 || get_batch(args, 1, &a) < 0 ||
-        ss_py_pool_arg(st, args[5], &pool) < 0 ||
+    if (check_nargs("read_batch", nargs, 10) < 0 ||
+        get_batch(args, 1, &a) < 0 || ss_py_pool_arg(st, args[5], &pool) < 0 ||
         (o.verify = PyObject_IsTrue(args[6])) < 0 ||
-        piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0)
+        (o.checksum = PyObject_IsTrue(args[7])) < 0 ||
+        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -631,11 +632,11 @@ static PyMethodDef io_methods[] = {
      "each job (0s when checksum is false). piece 0 = default."},
     {"read_batch", (PyCFunction)(void (*)(void))py_read_batch, METH_FASTCALL,
      "read_batch(paths, file_idx, offsets, buffers, crcs, pool, verify, "
-     "piece, faults)\n--\n\n"
+     "checksum, piece, faults)\n--\n\n"
      "Read len(buffers[j]) bytes at offsets[j] of paths[file_idx[j]] into "
      "the writable buffers[j], with the GIL released. crcs is None or one "
      "int-or-None per job, checked when verify is true. Returns each job's "
-     "CRC-32."},
+     "CRC-32 (0 for jobs neither checksummed nor verified)."},
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
      "publish(path, data, fsync, faults)\n--\n\n"
      "Atomically replace path with data (temp file, fsync, rename, fsync "

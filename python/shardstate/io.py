@@ -143,14 +143,16 @@ def read(
     pool: ThreadPool | None = None,
     threads: int | None = None,
     verify: bool = True,
+    checksum: bool = True,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
     """Read every job straight into its ``out`` buffer; return each job's
     CRC-32. With ``verify``, a job whose ``crc`` is set and differs raises
-    ChecksumError (with ``path``, ``offset`` and ``job`` attributes). A job
-    reaching past the end of its file raises ShardstateError before
-    anything is read."""
+    ChecksumError (with ``path``, ``offset`` and ``job`` attributes). With
+    ``checksum=False`` only verified jobs are checksummed; the others report
+    0. A job reaching past the end of its file raises ShardstateError
+    before anything is read."""
     jobs = list(jobs)
     paths, idx = _file_table(job.path for job in jobs)
     crcs = [job.crc for job in jobs]
@@ -162,6 +164,7 @@ def read(
         None if all(c is None for c in crcs) else crcs,
         _pool_for(pool, threads),
         bool(verify),
+        bool(checksum),
         _piece,
         _faults,
     )
