@@ -284,9 +284,8 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     int rc = 0;
     batch b = {0};
 
-    if (opts == NULL || opts->size < sizeof *opts)
-        opts = &defaults; /* an older, smaller struct is not supported */
-    psize = opts->piece ? opts->piece : SS_IO_PIECE_DEFAULT;
+    if (opts == NULL)
+        opts = &defaults;
     b.os = os != NULL ? os : ss_os_default();
     b.paths = paths;
     b.w = w;
@@ -294,6 +293,14 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     atomic_init(&b.failed, 0);
     pthread_mutex_init(&b.mu, NULL);
     ss_errinfo_clear(&b.first);
+    if (opts->size < sizeof *opts) { /* not initialised with the macro */
+        record(&b, SS_EINVAL, "options", NULL, -1, -1);
+        snprintf(b.first.detail, sizeof b.first.detail,
+                 "ss_io_opts.size is %zu, expected %zu", opts->size,
+                 sizeof *opts);
+        goto out;
+    }
+    psize = opts->piece ? opts->piece : SS_IO_PIECE_DEFAULT;
     b.checksum = opts->checksum;
     b.verify = opts->verify;
 

@@ -40,7 +40,7 @@
 #define SS_IO_MAX_XFER ((size_t)1 << 30)
 
 typedef struct ss_io_opts {
-    size_t size;  /* sizeof(ss_io_opts), for growth */
+    size_t size;  /* sizeof(ss_io_opts); smaller is SS_EINVAL */
     size_t piece; /* bytes per task; 0 = SS_IO_PIECE_DEFAULT */
     int fsync;    /* write: fsync every file before closing it */
     int checksum; /* compute every job's CRC (else reported as 0) */

@@ -181,6 +181,11 @@ static void test_range_and_validation(void)
     wbad.offset = -1;
     CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, &wbad, 1, &o, NULL,
                              &e), SS_EINVAL);
+    ss_io_opts small = opts_piece();
+    small.size = 8;
+    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, wjobs, NJOBS, &small,
+                             NULL, &e), SS_EINVAL);
+    CHECK(strstr(e.detail, "size") != NULL);
     const char *missing[] = {"/nonexistent-dir-ss/x"};
     CHECK_EQ_INT(ss_io_read(NULL, pool, missing, 1, NULL, 0, &o, NULL, &e),
                  -ENOENT);
