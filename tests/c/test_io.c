@@ -277,6 +277,35 @@ static void test_short_and_eintr(void)
     ss_faults_free(f);
 }
 
+/* A vtable whose first pread truncates the file first: a real shrink. */
+static int64_t shrinking_pread(const ss_os *os, int fd, void *buf, size_t n,
+                               int64_t off)
+{
+    const ss_os *base = ss_os_default();
+    int *done = os->ctx;
+    if (!*done) {
+        *done = 1;
+        CHECK_EQ_INT(truncate(paths[0], 10), 0);
+    }
+    return base->pread(base, fd, buf, n, off);
+}
+
+static void test_file_shrinks_during_read(void)
+{
+    int done = 0;
+    ss_os os = *ss_os_default();
+    ss_errinfo e;
+    ss_io_opts o = opts_piece();
+    os.ctx = &done;
+    os.pread = shrinking_pread;
+    roundtrip(NULL, 0);
+    /* serial: the first read (of file 1) shrinks file 0 under later jobs */
+    CHECK_EQ_INT(ss_io_read(&os, NULL, paths, NFILES, rjobs, NJOBS, &o, NULL,
+                            &e), SS_ESHORT);
+    CHECK(strcmp(e.path, paths[0]) == 0);
+    CHECK(strcmp(e.op, "pread") == 0);
+}
+
 static void read_file(const char *p, char *buf, size_t cap)
 {
     int fd = open(p, O_RDONLY);
@@ -370,6 +399,7 @@ int main(void)
     RUN(test_range_and_validation);
     RUN(test_fault_matrix);
     RUN(test_short_and_eintr);
+    RUN(test_file_shrinks_during_read);
     RUN(test_publish);
     RUN(test_raw);
     ss_pool_free(pool);
