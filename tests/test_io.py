@@ -258,6 +258,8 @@ def test_core_entry_points_validate(tmp_path):
         _core.write_batch([p], [1], [0], [b"x"], None, False, True, 0, None)
     with pytest.raises(ValueError, match="entries"):
         _core.write_batch([p], [0, 0], [0], [b"x"], None, False, True, 0, None)
+    with pytest.raises(TypeError, match="offsets must be a sequence of ints"):
+        _core.write_batch([p], [0], 5, [b"x"], None, False, True, 0, None)
     with pytest.raises(TypeError, match="FaultInjector"):
         _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, 3)
     # NumPy int64 arrays are taken as they are

@@ -284,9 +284,13 @@ static int get_int64s(PyObject *obj, Py_ssize_t n, const char *what,
         PyBuffer_Release(&v); /* another format: go through the items */
     }
     PyErr_Clear();
-    seq = PySequence_Fast(obj, what);
-    if (seq == NULL)
+    seq = PySequence_Fast(obj, "");
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a sequence of ints or a 1-D int64 array, "
+                     "not %.200s", what, Py_TYPE(obj)->tp_name);
         return -1;
+    }
     if (PySequence_Fast_GET_SIZE(seq) != n) {
         PyErr_Format(PyExc_ValueError, "%s has %zd entries for %zd jobs", what,
                      PySequence_Fast_GET_SIZE(seq), n);
