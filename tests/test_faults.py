@@ -248,3 +248,13 @@ def test_injector_api():
     fi.reset()
     fi.eintr("open", 1000)  # room again
     assert fi.calls("open") == 0
+
+
+def test_failure_skips_remaining_pieces(tmp_path):
+    fi = sio.FaultInjector()
+    fi.fail("pwrite", 2, errno.ENOSPC)
+    data = bytes(100_000)
+    with pytest.raises(shardstate.ShardstateIOError) as ei:
+        sio.write([sio.WriteJob(tmp_path / "a", 0, data)], threads=1, _piece=4096, _faults=fi)
+    assert ei.value.offset == 4096 and ei.value.job == 0
+    assert fi.calls("pwrite") == 2  # the other 23 pieces were not attempted
