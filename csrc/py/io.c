@@ -1,9 +1,665 @@
-/* io.c - placeholder; filled in by the io work. */
+/* io.c - batch file I/O entry points and the FaultInjector type.
+ *
+ * write_batch/read_batch take the batch as flat positional arguments (paths,
+ * per-job file indices, offsets and buffers), hold every Py_buffer for the
+ * whole call and release the GIL around the whole batch; nothing here
+ * touches a PyObject while it is released. Errors come back as a code plus
+ * an ss_errinfo and become exceptions in ss_py_raise.
+ *
+ * FaultInjector wraps an ss_faults; passing one as `faults` routes the
+ * batch's system calls through it. Its methods may be called from any
+ * thread, even while a batch that uses it runs.
+ */
 #include "module.h"
+#include "ss_io.h"
+#include "ss_os.h"
+
+#include <string.h>
+
+/* ---- FaultInjector ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    ss_faults *faults;
+} FaultInjectorObject;
+
+static PyObject *FaultInjector_new(PyTypeObject *type, PyObject *args,
+                                   PyObject *kwds)
+{
+    FaultInjectorObject *self;
+
+    if (!PyArg_ParseTuple(args, ":FaultInjector") ||
+        (kwds != NULL && PyDict_GET_SIZE(kwds) > 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError,
+                            "FaultInjector() takes no arguments");
+        return NULL;
+    }
+    self = (FaultInjectorObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (ss_faults_new(&self->faults, NULL) < 0) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void FaultInjector_dealloc(FaultInjectorObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    ss_faults_free(self->faults);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* The op named by a str, or -1 with ValueError set. */
+static int op_arg(const char *name)
+{
+    int op = ss_os_op_from_name(name);
+    if (op < 0) {
+        PyObject *names = PyList_New(0);
+        for (int i = 0; names != NULL && i < SS_OS_NOPS; i++) {
+            PyObject *s = PyUnicode_FromString(ss_os_op_name(i));
+            if (s == NULL || PyList_Append(names, s) < 0)
+                Py_CLEAR(names);
+            Py_XDECREF(s);
+        }
+        if (names != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "unknown op '%s'; expected one of %R", name, names);
+            Py_DECREF(names);
+        }
+    }
+    return op;
+}
+
+static PyObject *arm_result(int rc, const char *what)
+{
+    if (rc < 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "cannot arm %s: bad call number or value, or "
+                            "more than %d arms",
+                            what, SS_FAULTS_MAX_ARMS);
+    Py_RETURN_NONE;
+}
+
+static PyObject *FaultInjector_fail(FaultInjectorObject *self, PyObject *args)
+{
+    const char *name;
+    unsigned long long at;
+    int err, op;
+    if (!PyArg_ParseTuple(args, "sKi:fail", &name, &at, &err))
+        return NULL;
+    if ((op = op_arg(name)) < 0)
+        return NULL;
+    return arm_result(ss_faults_fail(self->faults, op, at, err), "fail");
+}
+
+static PyObject *FaultInjector_short(FaultInjectorObject *self, PyObject *args)
+{
+    const char *name;
+    unsigned long long at;
+    Py_ssize_t nbytes;
+    int op;
+    if (!PyArg_ParseTuple(args, "sKn:short", &name, &at, &nbytes))
+        return NULL;
+    if ((op = op_arg(name)) < 0)
+        return NULL;
+    if (nbytes < 0)
+        return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0");
+    if (op != SS_OS_PWRITE && op != SS_OS_PREAD)
+        return PyErr_Format(PyExc_ValueError,
+                            "short transfers apply to 'pwrite' and 'pread' "
+                            "only, not %R", PyTuple_GET_ITEM(args, 0));
+    return arm_result(ss_faults_short(self->faults, op, at, (size_t)nbytes),
+                      "short");
+}
+
+static PyObject *FaultInjector_eintr(FaultInjectorObject *self, PyObject *args)
+{
+    const char *name;
+    unsigned long long at;
+    int op;
+    if (!PyArg_ParseTuple(args, "sK:eintr", &name, &at))
+        return NULL;
+    if ((op = op_arg(name)) < 0)
+        return NULL;
+    return arm_result(ss_faults_eintr(self->faults, op, at), "eintr");
+}
+
+static PyObject *FaultInjector_calls(FaultInjectorObject *self, PyObject *arg)
+{
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    int op;
+    if (name == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "calls(op): op must be a str");
+        return NULL;
+    }
+    if ((op = op_arg(name)) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(ss_faults_calls(self->faults, op));
+}
+
+static PyObject *FaultInjector_reset(FaultInjectorObject *self, PyObject *u)
+{
+    (void)u;
+    ss_faults_reset(self->faults);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef FaultInjector_methods[] = {
+    {"fail", (PyCFunction)FaultInjector_fail, METH_VARARGS,
+     "fail(op, at_call, errno)\n--\n\nMake call number at_call (1-based) of "
+     "op fail with errno."},
+    {"short", (PyCFunction)FaultInjector_short, METH_VARARGS,
+     "short(op, at_call, nbytes)\n--\n\nMake call at_call of 'pwrite' or "
+     "'pread' transfer at most nbytes."},
+    {"eintr", (PyCFunction)FaultInjector_eintr, METH_VARARGS,
+     "eintr(op, at_call)\n--\n\nMake call at_call of op fail once with "
+     "EINTR (the engine retries it)."},
+    {"calls", (PyCFunction)FaultInjector_calls, METH_O,
+     "calls(op)\n--\n\nNumber of calls of op so far."},
+    {"reset", (PyCFunction)FaultInjector_reset, METH_NOARGS,
+     "reset()\n--\n\nDisarm everything and zero the counters."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot FaultInjector_slots[] = {
+    {Py_tp_new, FaultInjector_new},
+    {Py_tp_dealloc, FaultInjector_dealloc},
+    {Py_tp_methods, FaultInjector_methods},
+    {Py_tp_doc, "FaultInjector()\n--\n\n"
+                "Counts the system calls of the batches it is passed to "
+                "(faults=) and makes chosen ones fail, transfer short or "
+                "report EINTR. Ops: open, close, pwrite, pread, fsync, "
+                "fstat, ftruncate, rename, unlink, fsync_dir."},
+    {0, NULL},
+};
+
+static PyType_Spec FaultInjector_spec = {
+    .name = "shardstate._core.FaultInjector",
+    .basicsize = sizeof(FaultInjectorObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = FaultInjector_slots,
+};
+
+/* obj is None or a FaultInjector: its vtable (NULL for None). */
+static int faults_arg(ss_state *st, PyObject *obj, const ss_os **out)
+{
+    if (obj == Py_None) {
+        *out = NULL;
+        return 0;
+    }
+    if (!PyObject_TypeCheck(obj, st->FaultInjector_type)) {
+        PyErr_Format(PyExc_TypeError,
+                     "faults must be a FaultInjector or None, got %.200s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = ss_faults_os(((FaultInjectorObject *)obj)->faults);
+    return 0;
+}
+
+/* ---- argument helpers --------------------------------------------------- */
+
+/* A batch's converted arguments; everything is released by args_release. */
+typedef struct {
+    Py_ssize_t npaths, njobs, nviews;
+    PyObject **fspaths;   /* bytes from PyUnicode_FSConverter */
+    const char **paths;
+    int64_t *file_idx, *offsets;
+    Py_buffer *views;
+} batch_args;
+
+static void args_release(batch_args *a)
+{
+    for (Py_ssize_t i = 0; a->views != NULL && i < a->nviews; i++)
+        PyBuffer_Release(&a->views[i]);
+    for (Py_ssize_t i = 0; a->fspaths != NULL && i < a->npaths; i++)
+        Py_XDECREF(a->fspaths[i]);
+    PyMem_Free(a->views);
+    PyMem_Free(a->fspaths);
+    PyMem_Free(a->paths);
+    PyMem_Free(a->file_idx);
+    PyMem_Free(a->offsets);
+}
+
+static int get_paths(PyObject *obj, batch_args *a)
+{
+    PyObject *seq = PySequence_Fast(obj, "paths must be a sequence");
+    int rc = -1;
+
+    if (seq == NULL)
+        return -1;
+    a->npaths = PySequence_Fast_GET_SIZE(seq);
+    a->fspaths = PyMem_Calloc((size_t)a->npaths + 1, sizeof *a->fspaths);
+    a->paths = PyMem_Calloc((size_t)a->npaths + 1, sizeof *a->paths);
+    if (a->fspaths == NULL || a->paths == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < a->npaths; i++) {
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i),
+                                   &a->fspaths[i]))
+            goto out;
+        a->paths[i] = PyBytes_AS_STRING(a->fspaths[i]);
+    }
+    rc = 0;
+out:
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* n int64 values from a 1-D int64 buffer (NumPy) or a sequence of ints. */
+static int get_int64s(PyObject *obj, Py_ssize_t n, const char *what,
+                      int64_t **out)
+{
+    Py_buffer v;
+    PyObject *seq = NULL;
+    int rc = -1;
+
+    *out = PyMem_Malloc(((size_t)n + 1) * sizeof **out);
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (PyObject_CheckBuffer(obj) &&
+        PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = v.format != NULL ? v.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@')
+            f++;
+        if (v.ndim == 1 && v.itemsize == 8 && (!strcmp(f, "q") ||
+                                               !strcmp(f, "l"))) {
+            if (v.len / 8 != n)
+                PyErr_Format(PyExc_ValueError,
+                             "%s has %zd entries for %zd jobs", what,
+                             v.len / 8, n);
+            else
+                memcpy(*out, v.buf, (size_t)n * 8);
+            PyBuffer_Release(&v);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        PyBuffer_Release(&v); /* another format: go through the items */
+    }
+    PyErr_Clear();
+    seq = PySequence_Fast(obj, "");
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a sequence of ints or a 1-D int64 array, "
+                     "not %.200s", what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries for %zd jobs", what,
+                     PySequence_Fast_GET_SIZE(seq), n);
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ix = PyNumber_Index(PySequence_Fast_GET_ITEM(seq, i));
+        if (ix == NULL)
+            goto out;
+        (*out)[i] = PyLong_AsLongLong(ix);
+        Py_DECREF(ix);
+        if ((*out)[i] == -1 && PyErr_Occurred())
+            goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(seq);
+    return rc;
+}
+
+/* Hold a C-contiguous (and, if writable, writable) view of every buffer. */
+static int get_views(PyObject *obj, int writable, batch_args *a)
+{
+    PyObject *seq = PySequence_Fast(obj, "buffers must be a sequence");
+    int rc = -1;
+
+    if (seq == NULL)
+        return -1;
+    a->njobs = PySequence_Fast_GET_SIZE(seq);
+    a->views = PyMem_Calloc((size_t)a->njobs + 1, sizeof *a->views);
+    if (a->views == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < a->njobs; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        Py_buffer *v = &a->views[i];
+        int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+        if (!PyObject_CheckBuffer(item)) {
+            PyErr_Format(PyExc_TypeError,
+                         "buffers[%zd] must support the buffer protocol "
+                         "(bytes, bytearray, memoryview, numpy array), "
+                         "not %.200s", i, Py_TYPE(item)->tp_name);
+            goto out;
+        }
+        if (PyObject_GetBuffer(item, v, flags) < 0) {
+            if (!writable)
+                goto out;
+            PyErr_Clear(); /* exporters differ: BufferError, ValueError */
+            PyErr_Format(PyExc_BufferError,
+                         "buffers[%zd] must be writable to read into it "
+                         "(got a read-only %.200s)", i,
+                         Py_TYPE(item)->tp_name);
+            goto out;
+        }
+        a->nviews++;
+        if (!PyBuffer_IsContiguous(v, 'C')) {
+            PyErr_Format(PyExc_BufferError,
+                         "buffers[%zd] must be C-contiguous (got a strided "
+                         "%.200s)", i, Py_TYPE(item)->tp_name);
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* paths, file_idx, offsets, buffers -> a; checks the indices. */
+static int get_batch(PyObject *const *args, int writable, batch_args *a)
+{
+    if (get_paths(args[0], a) < 0 || get_views(args[3], writable, a) < 0 ||
+        get_int64s(args[1], a->njobs, "file_idx", &a->file_idx) < 0 ||
+        get_int64s(args[2], a->njobs, "offsets", &a->offsets) < 0)
+        return -1;
+    for (Py_ssize_t j = 0; j < a->njobs; j++) {
+        if (a->file_idx[j] < 0 || a->file_idx[j] >= a->npaths) {
+            PyErr_Format(PyExc_IndexError,
+                         "file_idx[%zd] = %lld is not a valid index into %zd "
+                         "paths", j, (long long)a->file_idx[j], a->npaths);
+            return -1;
+        }
+        if (a->offsets[j] < 0) {
+            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld is negative",
+                         j, (long long)a->offsets[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *crc_list(const uint32_t *crcs, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t j = 0; out != NULL && j < n; j++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[j]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, j, v);
+    }
+    return out;
+}
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd "
+                 "given)", name, want, nargs);
+    return -1;
+}
+
+/* piece argument: bytes per task, 0 = default. */
+static int piece_arg(PyObject *obj, size_t *out)
+{
+    Py_ssize_t v = PyLong_AsSsize_t(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0) {
+        PyErr_SetString(PyExc_ValueError, "piece must be >= 0");
+        return -1;
+    }
+    *out = (size_t)v;
+    return 0;
+}
+
+/* ---- entry points ------------------------------------------------------- */
+
+static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    ss_state *st = ss_get_state(m);
+    batch_args a = {0};
+    ss_io_opts o = SS_IO_OPTS_INIT;
+    ss_io_wjob *jobs = NULL;
+    uint32_t *crcs = NULL;
+    const ss_os *os = NULL;
+    ss_pool *pool = NULL;
+    ss_errinfo info;
+    PyObject *result = NULL;
+    int rc;
+
+    if (check_nargs("write_batch", nargs, 9) < 0 || get_batch(args, 0, &a) < 0 ||
+        ss_py_pool_arg(st, args[4], &pool) < 0 ||
+        (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
+        (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
+        piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0)
+        goto out;
+    jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
+    crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
+    if (jobs == NULL || crcs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t j = 0; j < a.njobs; j++)
+        jobs[j] = (ss_io_wjob){a.views[j].buf, (uint64_t)a.views[j].len,
+                               (uint32_t)a.file_idx[j], a.offsets[j]};
+    Py_BEGIN_ALLOW_THREADS
+    rc = ss_io_write(os, pool, a.paths, (size_t)a.npaths, jobs,
+                     (size_t)a.njobs, &o, crcs, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        ss_py_raise(st, rc, &info);
+    else
+        result = crc_list(crcs, a.njobs);
+out:
+    PyMem_Free(jobs);
+    PyMem_Free(crcs);
+    args_release(&a);
+    return result;
+}
+
+static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
+                               Py_ssize_t nargs)
+{
+    ss_state *st = ss_get_state(m);
+    batch_args a = {0};
+    ss_io_opts o = SS_IO_OPTS_INIT;
+    ss_io_rjob *jobs = NULL;
+    uint32_t *crcs = NULL;
+    const ss_os *os = NULL;
+    ss_pool *pool = NULL;
+    PyObject *expected = NULL, *result = NULL;
+    ss_errinfo info;
+    int rc;
+
+    if (check_nargs("read_batch", nargs, 10) < 0 ||
+        get_batch(args, 1, &a) < 0 || ss_py_pool_arg(st, args[5], &pool) < 0 ||
+        (o.verify = PyObject_IsTrue(args[6])) < 0 ||
+        (o.checksum = PyObject_IsTrue(args[7])) < 0 ||
+        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0)
+        goto out;
+    jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
+    crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
+    if (jobs == NULL || crcs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t j = 0; j < a.njobs; j++)
+        jobs[j] = (ss_io_rjob){a.views[j].buf, (uint64_t)a.views[j].len,
+                               (uint32_t)a.file_idx[j], a.offsets[j], 0, 0};
+    if (args[4] != Py_None) { /* expected CRCs: ints, or None to skip one */
+        expected = PySequence_Fast(args[4], "crcs must be a sequence or None");
+        if (expected == NULL)
+            goto out;
+        if (PySequence_Fast_GET_SIZE(expected) != a.njobs) {
+            PyErr_Format(PyExc_ValueError, "crcs has %zd entries for %zd jobs",
+                         PySequence_Fast_GET_SIZE(expected), a.njobs);
+            goto out;
+        }
+        for (Py_ssize_t j = 0; j < a.njobs; j++) {
+            PyObject *c = PySequence_Fast_GET_ITEM(expected, j);
+            unsigned long v;
+            if (c == Py_None)
+                continue;
+            v = PyLong_AsUnsignedLong(c);
+            if ((v == (unsigned long)-1 && PyErr_Occurred()) ||
+                v > 0xFFFFFFFFul) {
+                if (!PyErr_Occurred() ||
+                    PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_ValueError,
+                                 "crcs[%zd] must be a CRC-32 in [0, 2**32)", j);
+                }
+                goto out;
+            }
+            jobs[j].crc = (uint32_t)v;
+            jobs[j].has_crc = 1;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = ss_io_read(os, pool, a.paths, (size_t)a.npaths, jobs, (size_t)a.njobs,
+                    &o, crcs, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        ss_py_raise(st, rc, &info);
+    else
+        result = crc_list(crcs, a.njobs);
+out:
+    Py_XDECREF(expected);
+    PyMem_Free(jobs);
+    PyMem_Free(crcs);
+    args_release(&a);
+    return result;
+}
+
+static PyObject *py_publish(PyObject *m, PyObject *const *args,
+                            Py_ssize_t nargs)
+{
+    ss_state *st = ss_get_state(m);
+    PyObject *path = NULL;
+    Py_buffer v = {0};
+    const ss_os *os = NULL;
+    ss_errinfo info;
+    int rc, durable = 0;
+
+    if (check_nargs("publish", nargs, 4) < 0 ||
+        !PyUnicode_FSConverter(args[0], &path))
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &v, PyBUF_C_CONTIGUOUS) < 0)
+        goto out;
+    if ((durable = PyObject_IsTrue(args[2])) < 0 ||
+        faults_arg(st, args[3], &os) < 0)
+        goto out;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ss_io_publish(os, PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                       durable, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        ss_py_raise(st, rc, &info);
+out:
+    if (v.obj != NULL)
+        PyBuffer_Release(&v);
+    Py_DECREF(path);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _raw_pwrite / _raw_pread: the benchmark baselines. */
+static PyObject *raw_common(PyObject *m, PyObject *const *args,
+                            Py_ssize_t nargs, int writing)
+{
+    ss_state *st = ss_get_state(m);
+    const char *name = writing ? "_raw_pwrite" : "_raw_pread";
+    PyObject *path = NULL;
+    Py_buffer v = {0};
+    size_t piece = 0;
+    ss_errinfo info;
+    int rc;
+
+    if (check_nargs(name, nargs, 3) < 0 ||
+        !PyUnicode_FSConverter(args[0], &path))
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &v, writing ? PyBUF_C_CONTIGUOUS
+                                                : PyBUF_C_CONTIGUOUS |
+                                                      PyBUF_WRITABLE) < 0 ||
+        piece_arg(args[2], &piece) < 0)
+        goto out;
+    Py_BEGIN_ALLOW_THREADS
+    if (writing)
+        rc = ss_io_raw_pwrite(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                              piece);
+    else
+        rc = ss_io_raw_pread(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                             piece);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        ss_errinfo_clear(&info);
+        ss_errinfo_set(&info, rc, writing ? "pwrite" : "pread",
+                       PyBytes_AS_STRING(path), -1, NULL);
+        ss_py_raise(st, rc, &info);
+    }
+out:
+    if (v.obj != NULL)
+        PyBuffer_Release(&v);
+    Py_DECREF(path);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_raw_pwrite(PyObject *m, PyObject *const *args,
+                               Py_ssize_t nargs)
+{
+    return raw_common(m, args, nargs, 1);
+}
+
+static PyObject *py_raw_pread(PyObject *m, PyObject *const *args,
+                              Py_ssize_t nargs)
+{
+    return raw_common(m, args, nargs, 0);
+}
+
+static PyMethodDef io_methods[] = {
+    {"write_batch", (PyCFunction)(void (*)(void))py_write_batch, METH_FASTCALL,
+     "write_batch(paths, file_idx, offsets, buffers, pool, fsync, checksum, "
+     "piece, faults)\n--\n\n"
+     "Write buffers[j] at offsets[j] of paths[file_idx[j]] (files are "
+     "created or truncated), with the GIL released. Returns the CRC-32 of "
+     "each job (0s when checksum is false). piece 0 = default."},
+    {"read_batch", (PyCFunction)(void (*)(void))py_read_batch, METH_FASTCALL,
+     "read_batch(paths, file_idx, offsets, buffers, crcs, pool, verify, "
+     "checksum, piece, faults)\n--\n\n"
+     "Read len(buffers[j]) bytes at offsets[j] of paths[file_idx[j]] into "
+     "the writable buffers[j], with the GIL released. crcs is None or one "
+     "int-or-None per job, checked when verify is true. Returns each job's "
+     "CRC-32 (0 for jobs neither checksummed nor verified)."},
+    {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
+     "publish(path, data, fsync, faults)\n--\n\n"
+     "Atomically replace path with data (temp file, fsync, rename, fsync "
+     "of the directory)."},
+    {"_raw_pwrite", (PyCFunction)(void (*)(void))py_raw_pwrite, METH_FASTCALL,
+     "_raw_pwrite(path, buffer, piece)\n--\n\n"
+     "Benchmark baseline: one thread, plain pwrite loop, no checksum."},
+    {"_raw_pread", (PyCFunction)(void (*)(void))py_raw_pread, METH_FASTCALL,
+     "_raw_pread(path, buffer, piece)\n--\n\n"
+     "Benchmark baseline: one thread, plain pread loop, no checksum."},
+    {NULL, NULL, 0, NULL},
+};
 
 int ss_py_io_init(PyObject *m, ss_state *st)
 {
-    (void)m;
-    (void)st;
-    return 0;
+    st->FaultInjector_type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        m, &FaultInjector_spec, NULL);
+    if (st->FaultInjector_type == NULL ||
+        PyModule_AddType(m, st->FaultInjector_type) < 0)
+        return -1;
+    return PyModule_AddFunctions(m, io_methods);
 }

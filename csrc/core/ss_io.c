@@ -1,0 +1,519 @@
+/* ss_io.c - batch write/read over a pool, atomic publish, raw baselines.
+ *
+ * A batch runs in phases, each finished before the next starts:
+ *   validate jobs -> open (and size, or stat) every file -> one pool task
+ *   per piece -> fsync every file (write, if asked) -> close every file ->
+ *   combine piece CRCs per job (and verify, on reads).
+ * Workers share the batch by reading its tables; the only things they write
+ * are their own piece_crc slot and, under mu, the first error. `failed` is
+ * set after the first error so later pieces skip their work.
+ *
+ * write_all/read_all are the only transfer loops of the core: they retry
+ * EINTR, continue after short transfers and cap each call at
+ * SS_IO_MAX_XFER. Every other call that may report EINTR is retried by
+ * RETRY, except close (on Linux the descriptor is gone after any close).
+ */
+#include "ss_io.h"
+#include "ss_crc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* rc = expr, repeated while it reports EINTR. */
+#define RETRY(rc, expr)                                                       \
+    do                                                                        \
+        (rc) = (expr);                                                        \
+    while ((rc) == -EINTR)
+
+/* Write len bytes at off. On failure *at is the offset that failed. */
+static int write_all(const ss_os *os, int fd, const char *p, uint64_t len,
+                     int64_t off, int64_t *at)
+{
+    while (len > 0) {
+        size_t n = len < SS_IO_MAX_XFER ? (size_t)len : SS_IO_MAX_XFER;
+        int64_t k = os->pwrite(os, fd, p, n, off);
+        if (k == -EINTR)
+            continue;
+        if (k <= 0) {
+            *at = off;
+            return k < 0 ? (int)k : -EIO; /* 0 for n > 0: no progress */
+        }
+        p += k;
+        off += k;
+        len -= (uint64_t)k;
+    }
+    return 0;
+}
+
+/* Read len bytes at off; end of file before len is SS_ESHORT. */
+static int read_all(const ss_os *os, int fd, char *p, uint64_t len,
+                    int64_t off, int64_t *at)
+{
+    while (len > 0) {
+        size_t n = len < SS_IO_MAX_XFER ? (size_t)len : SS_IO_MAX_XFER;
+        int64_t k = os->pread(os, fd, p, n, off);
+        if (k == -EINTR)
+            continue;
+        if (k <= 0) {
+            *at = off;
+            return k < 0 ? (int)k : SS_ESHORT;
+        }
+        p += k;
+        off += k;
+        len -= (uint64_t)k;
+    }
+    return 0;
+}
+
+/* ---- batches ------------------------------------------------------------ */
+
+typedef struct {
+    size_t job;
+    uint64_t start; /* offset of the piece within its job */
+    uint64_t len;
+} piece;
+
+typedef struct {
+    const ss_os *os;
+    const char *const *paths;
+    int *fds;
+    const ss_io_wjob *w; /* exactly one of w, r is set */
+    const ss_io_rjob *r;
+    piece *pieces;
+    uint32_t *piece_crc;
+    int checksum; /* every job's CRC is computed */
+    int verify;   /* read jobs with has_crc get theirs computed and checked */
+    atomic_int failed;
+    pthread_mutex_t mu;
+    ss_errinfo first;
+} batch;
+
+static uint64_t job_len(const batch *b, size_t j)
+{
+    return b->w != NULL ? b->w[j].len : b->r[j].len;
+}
+static uint32_t job_file(const batch *b, size_t j)
+{
+    return b->w != NULL ? b->w[j].file : b->r[j].file;
+}
+static int64_t job_offset(const batch *b, size_t j)
+{
+    return b->w != NULL ? b->w[j].offset : b->r[j].offset;
+}
+
+/* Whether job j's CRC is computed. */
+static int wants_crc(const batch *b, size_t j)
+{
+    return b->checksum || (b->r != NULL && b->verify && b->r[j].has_crc);
+}
+
+/* Keep the first failure (any thread). job < 0 when none is involved. */
+static void record(batch *b, int rc, const char *op, const char *path,
+                   int64_t off, int64_t job)
+{
+    pthread_mutex_lock(&b->mu);
+    if (b->first.code == 0) {
+        ss_errinfo_set(&b->first, rc, op, path, off, NULL);
+        b->first.job = job;
+    }
+    pthread_mutex_unlock(&b->mu);
+    atomic_store(&b->failed, 1);
+}
+
+static int has_failed(batch *b)
+{
+    return atomic_load_explicit(&b->failed, memory_order_relaxed);
+}
+
+static void piece_task(void *ctx, size_t i)
+{
+    batch *b = ctx;
+    const piece *pc = &b->pieces[i];
+    uint32_t file = job_file(b, pc->job);
+    int64_t off = job_offset(b, pc->job) + (int64_t)pc->start, at = -1;
+    int rc;
+
+    if (has_failed(b))
+        return;
+    if (b->w != NULL) {
+        const char *p = (const char *)b->w[pc->job].src + pc->start;
+        if (b->checksum) /* just before the write: the bytes stay in cache */
+            b->piece_crc[i] = ss_crc32(0, p, pc->len);
+        rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
+        if (rc < 0)
+            record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
+    } else {
+        char *p = (char *)b->r[pc->job].dst + pc->start;
+        rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
+        if (rc < 0)
+            record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
+        else if (wants_crc(b, pc->job)) /* right after the read, while hot */
+            b->piece_crc[i] = ss_crc32(0, p, pc->len);
+    }
+}
+
+static void fsync_task(void *ctx, size_t i)
+{
+    batch *b = ctx;
+    int rc;
+    if (has_failed(b))
+        return;
+    RETRY(rc, b->os->fsync(b->os, b->fds[i]));
+    if (rc < 0)
+        record(b, rc, "fsync", b->paths[i], -1, -1);
+}
+
+/* Jobs name existing files and fit in int64 offsets. */
+static int validate(batch *b, size_t npaths, size_t njobs)
+{
+    for (size_t j = 0; j < njobs; j++) {
+        uint64_t len = job_len(b, j);
+        int64_t off = job_offset(b, j);
+        const void *buf = b->w != NULL ? b->w[j].src : b->r[j].dst;
+        if (job_file(b, j) >= npaths || off < 0 ||
+            len > (uint64_t)(INT64_MAX - off) || (len > 0 && buf == NULL)) {
+            record(b, SS_EINVAL, "validate", NULL, off, (int64_t)j);
+            snprintf(b->first.detail, sizeof b->first.detail,
+                     "job needs a file index below %zu, offset >= 0, "
+                     "offset + length < 2^63 and a buffer",
+                     npaths);
+            return SS_EINVAL;
+        }
+    }
+    return 0;
+}
+
+/* Open every file; for writes size it to its last job's end, for reads
+ * check that every job lies inside it. */
+static int open_files(batch *b, size_t npaths, size_t njobs)
+{
+    const ss_os *os = b->os;
+    int64_t *ends = calloc(npaths ? npaths : 1, sizeof *ends);
+    int rc = 0;
+
+    if (ends == NULL) {
+        record(b, SS_ENOMEM, "malloc", NULL, -1, -1);
+        return SS_ENOMEM;
+    }
+    for (size_t j = 0; j < njobs; j++) {
+        int64_t end = job_offset(b, j) + (int64_t)job_len(b, j);
+        if (end > ends[job_file(b, j)])
+            ends[job_file(b, j)] = end;
+    }
+    for (size_t f = 0; f < npaths; f++) {
+        int flags = b->w != NULL ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
+                                 : O_RDONLY | O_CLOEXEC;
+        RETRY(rc, os->open(os, b->paths[f], flags, 0666));
+        if (rc < 0) {
+            record(b, rc, "open", b->paths[f], -1, -1);
+            goto out;
+        }
+        b->fds[f] = rc;
+        rc = 0;
+        if (b->w != NULL && ends[f] > 0) {
+            RETRY(rc, os->ftruncate(os, b->fds[f], ends[f]));
+            if (rc < 0) {
+                record(b, rc, "ftruncate", b->paths[f], ends[f], -1);
+                goto out;
+            }
+        } else if (b->w == NULL) {
+            RETRY(rc, os->fsize(os, b->fds[f], &ends[f]));
+            if (rc < 0) {
+                record(b, rc, "fstat", b->paths[f], -1, -1);
+                goto out;
+            }
+        }
+    }
+    for (size_t j = 0; b->w == NULL && j < njobs; j++) {
+        uint32_t f = job_file(b, j);
+        int64_t off = job_offset(b, j);
+        uint64_t len = job_len(b, j);
+        if (off > ends[f] || len > (uint64_t)(ends[f] - off)) {
+            rc = SS_ERANGE;
+            record(b, rc, "pread", b->paths[f], off, (int64_t)j);
+            snprintf(b->first.detail, sizeof b->first.detail,
+                     "%llu bytes requested but the file has %lld bytes",
+                     (unsigned long long)len, (long long)ends[f]);
+            goto out;
+        }
+    }
+out:
+    free(ends);
+    return rc;
+}
+
+/* Split jobs into pieces; first[j] is job j's first piece (first[njobs]
+ * the total). Zero-length jobs have no pieces. */
+static int make_pieces(batch *b, size_t njobs, size_t psize, size_t **first)
+{
+    size_t n = 0, k = 0;
+
+    *first = malloc((njobs + 1) * sizeof **first);
+    if (*first == NULL)
+        return SS_ENOMEM;
+    for (size_t j = 0; j < njobs; j++)
+        n += (size_t)((job_len(b, j) + psize - 1) / psize);
+    b->pieces = malloc((n ? n : 1) * sizeof *b->pieces);
+    b->piece_crc = calloc(n ? n : 1, sizeof *b->piece_crc);
+    if (b->pieces == NULL || b->piece_crc == NULL)
+        return SS_ENOMEM;
+    for (size_t j = 0; j < njobs; j++) {
+        uint64_t len = job_len(b, j);
+        (*first)[j] = k;
+        for (uint64_t s = 0; s < len; s += psize, k++)
+            b->pieces[k] = (piece){j, s, len - s < psize ? len - s : psize};
+    }
+    (*first)[njobs] = k;
+    return 0;
+}
+
+static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
+                     size_t npaths, const ss_io_wjob *w, const ss_io_rjob *r,
+                     size_t njobs, const ss_io_opts *opts, uint32_t *crcs,
+                     ss_errinfo *err)
+{
+    const ss_io_opts defaults = SS_IO_OPTS_INIT;
+    size_t psize, *first = NULL;
+    int rc = 0;
+    batch b = {0};
+
+    if (opts == NULL)
+        opts = &defaults;
+    b.os = os != NULL ? os : ss_os_default();
+    b.paths = paths;
+    b.w = w;
+    b.r = r;
+    atomic_init(&b.failed, 0);
+    pthread_mutex_init(&b.mu, NULL);
+    ss_errinfo_clear(&b.first);
+    if (opts->size < sizeof *opts) { /* not initialised with the macro */
+        record(&b, SS_EINVAL, "options", NULL, -1, -1);
+        snprintf(b.first.detail, sizeof b.first.detail,
+                 "ss_io_opts.size is %zu, expected %zu", opts->size,
+                 sizeof *opts);
+        goto out;
+    }
+    psize = opts->piece ? opts->piece : SS_IO_PIECE_DEFAULT;
+    b.checksum = opts->checksum;
+    b.verify = opts->verify;
+
+    b.fds = malloc((npaths ? npaths : 1) * sizeof *b.fds);
+    if (b.fds == NULL) {
+        record(&b, SS_ENOMEM, "malloc", NULL, -1, -1);
+        goto out;
+    }
+    for (size_t f = 0; f < npaths; f++)
+        b.fds[f] = -1;
+    if (validate(&b, npaths, njobs) < 0)
+        goto out;
+    if (make_pieces(&b, njobs, psize, &first) < 0) {
+        record(&b, SS_ENOMEM, "malloc", NULL, -1, -1);
+        goto out;
+    }
+    if (open_files(&b, npaths, njobs) < 0)
+        goto out;
+    ss_pool_run(pool, first[njobs], piece_task, &b);
+    if (w != NULL && opts->fsync)
+        ss_pool_run(pool, npaths, fsync_task, &b);
+
+out:
+    for (size_t f = 0; b.fds != NULL && f < npaths; f++) {
+        if (b.fds[f] >= 0) {
+            int c = b.os->close(b.os, b.fds[f]);
+            if (c < 0 && c != -EINTR) /* after EINTR the fd is closed too */
+                record(&b, c, "close", paths[f], -1, -1);
+        }
+    }
+    rc = b.first.code;
+    for (size_t j = 0; rc == 0 && j < njobs; j++) {
+        uint32_t crc = 0;
+        for (size_t i = first[j]; wants_crc(&b, j) && i < first[j + 1]; i++)
+            crc = i == first[j] ? b.piece_crc[i]
+                                : ss_crc32_combine(crc, b.piece_crc[i],
+                                                   b.pieces[i].len);
+        if (crcs != NULL)
+            crcs[j] = crc;
+        if (r != NULL && opts->verify && r[j].has_crc && crc != r[j].crc) {
+            record(&b, SS_ECHECKSUM, "verify", paths[r[j].file], r[j].offset,
+                   (int64_t)j);
+            snprintf(b.first.detail, sizeof b.first.detail,
+                     "expected crc32 0x%08x, read 0x%08x over %llu bytes",
+                     (unsigned)r[j].crc, (unsigned)crc,
+                     (unsigned long long)r[j].len);
+            rc = SS_ECHECKSUM;
+        }
+    }
+    if (err != NULL)
+        ss_errinfo_copy(err, &b.first);
+    pthread_mutex_destroy(&b.mu);
+    free(b.fds);
+    free(b.pieces);
+    free(b.piece_crc);
+    free(first);
+    return rc;
+}
+
+int ss_io_write(const ss_os *os, ss_pool *pool, const char *const *paths,
+                size_t npaths, const ss_io_wjob *jobs, size_t njobs,
+                const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err)
+{
+    static const ss_io_wjob none;
+    return run_batch(os, pool, paths, npaths, jobs != NULL ? jobs : &none,
+                     NULL, njobs, opts, crcs, err);
+}
+
+int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
+               size_t npaths, const ss_io_rjob *jobs, size_t njobs,
+               const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err)
+{
+    static const ss_io_rjob none;
+    return run_batch(os, pool, paths, npaths, NULL,
+                     jobs != NULL ? jobs : &none, njobs, opts, crcs, err);
+}
+
+/* ---- atomic publish ----------------------------------------------------- */
+
+int ss_io_publish(const ss_os *os, const char *path, const void *data,
+                  size_t len, int durable, ss_errinfo *err)
+{
+    size_t plen = strlen(path);
+    const char *slash = strrchr(path, '/');
+    char *dir = malloc(plen + 2), *tmp = malloc(plen + 80);
+    int rc = 0, fd = -1, created = 0;
+    int64_t at = -1;
+    const char *op = NULL;
+    struct timespec ts;
+
+    if (os == NULL)
+        os = ss_os_default();
+    if (dir == NULL || tmp == NULL) {
+        rc = ss_errinfo_set(err, SS_ENOMEM, "malloc", path, -1, NULL);
+        goto out;
+    }
+    if (slash == NULL) {
+        strcpy(dir, ".");
+    } else {
+        size_t n = slash == path ? 1 : (size_t)(slash - path);
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    /* "<dir>/.<name>.<pid>.<ns>.<try>.tmp"; O_EXCL makes it unique. */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    for (int attempt = 0;; attempt++) {
+        snprintf(tmp, plen + 80, "%.*s.%s.%ld.%lld.%d.tmp",
+                 (int)(slash ? slash - path + 1 : 0), path,
+                 slash ? slash + 1 : path, (long)getpid(),
+                 (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, attempt);
+        RETRY(fd, os->open(os, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
+                           0666));
+        if (fd != -EEXIST || attempt == 100)
+            break;
+    }
+    if (fd < 0) {
+        rc = fd;
+        fd = -1;
+        op = "open";
+        goto out;
+    }
+    created = 1;
+    if ((rc = write_all(os, fd, data, len, 0, &at)) < 0) {
+        op = "pwrite";
+        goto out;
+    }
+    if (durable)
+        RETRY(rc, os->fsync(os, fd));
+    if (rc < 0) {
+        op = "fsync";
+        goto out;
+    }
+    rc = os->close(os, fd);
+    fd = -1;
+    if (rc < 0 && rc != -EINTR) {
+        op = "close";
+        goto out;
+    }
+    RETRY(rc, os->rename(os, tmp, path));
+    if (rc < 0) {
+        op = "rename";
+        goto out;
+    }
+    created = 0;
+    rc = 0;
+    if (durable)
+        RETRY(rc, os->fsync_dir(os, dir));
+    if (rc < 0) {
+        op = "fsync_dir";
+        goto out;
+    }
+out:
+    if (op != NULL)
+        ss_errinfo_set(err, rc, op, path, at, "%s '%s'",
+                       strcmp(op, "fsync_dir") ? "temp file" : "directory",
+                       strcmp(op, "fsync_dir") ? tmp : dir);
+    if (fd >= 0)
+        os->close(os, fd);
+    if (created)
+        os->unlink(os, tmp);
+    free(dir);
+    free(tmp);
+    return rc;
+}
+
+/* ---- baselines ---------------------------------------------------------- */
+
+int ss_io_raw_pwrite(const char *path, const void *buf, size_t len,
+                     size_t piece)
+{
+    int rc = 0, fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    size_t done = 0;
+
+    if (fd < 0)
+        return -errno;
+    if (piece == 0)
+        piece = SS_IO_PIECE_DEFAULT;
+    while (done < len) {
+        size_t n = len - done < piece ? len - done : piece;
+        ssize_t k = pwrite(fd, (const char *)buf + done, n, (off_t)done);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            rc = k < 0 ? -errno : -EIO;
+            break;
+        }
+        done += (size_t)k;
+    }
+    if (close(fd) < 0 && rc == 0)
+        rc = -errno;
+    return rc;
+}
+
+int ss_io_raw_pread(const char *path, void *buf, size_t len, size_t piece)
+{
+    int rc = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
+    size_t done = 0;
+
+    if (fd < 0)
+        return -errno;
+    if (piece == 0)
+        piece = SS_IO_PIECE_DEFAULT;
+    while (done < len) {
+        size_t n = len - done < piece ? len - done : piece;
+        ssize_t k = pread(fd, (char *)buf + done, n, (off_t)done);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            rc = k < 0 ? -errno : SS_ESHORT;
+            break;
+        }
+        done += (size_t)k;
+    }
+    close(fd);
+    return rc;
+}

@@ -1,0 +1,186 @@
+"""Parallel file I/O: batches of writes and reads with per-job CRC-32.
+
+A thin layer over ``shardstate._core``: it groups the jobs' paths into a
+file table, picks a thread pool, and calls one C entry point that runs the
+whole batch with the GIL released. Buffers are used in place (no copies):
+``write`` reads each ``WriteJob.data``, ``read`` fills each ``ReadJob.out``.
+
+Each job's CRC-32 equals ``zlib.crc32`` of its bytes. Big jobs are split
+into pieces so several threads share them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+from . import _core
+from ._core import FaultInjector, ThreadPool
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer  # Python 3.12+
+else:
+    Buffer = Any
+
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+__all__ = ["FaultInjector", "ReadJob", "WriteJob", "atomic_publish", "read", "write"]
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """Write ``data`` (any C-contiguous buffer) at ``offset`` of ``path``."""
+
+    path: PathLike
+    offset: int
+    data: Buffer
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    """Read ``len(memoryview(out).cast('B'))`` bytes at ``offset`` of ``path``
+    into ``out`` (a writable C-contiguous buffer); check them against ``crc``
+    when it is given."""
+
+    path: PathLike
+    offset: int
+    out: Buffer
+    crc: int | None = None
+
+
+_pools: dict[int, ThreadPool] = {}
+_pools_lock = threading.Lock()
+
+
+def _default_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def _pool_for(pool: ThreadPool | None, threads: int | None) -> ThreadPool | None:
+    """The pool a batch runs on. ``threads`` counts every thread doing I/O,
+    the calling one included, so threads=1 runs serially."""
+    if pool is not None:
+        if threads is not None:
+            raise ValueError("pass either pool= or threads=, not both")
+        if not isinstance(pool, ThreadPool):
+            raise TypeError(f"pool must be a shardstate.ThreadPool, got {type(pool).__name__}")
+        return pool
+    n = _default_threads() if threads is None else threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    if n == 1:
+        return None
+    with _pools_lock:
+        p = _pools.get(n)
+        if p is None:
+            p = _pools[n] = ThreadPool(n - 1)
+        return p
+
+
+def _file_table(paths: Iterable[PathLike]) -> tuple[list[str | bytes], list[int]]:
+    """Distinct paths in first-seen order, and each job's index into them."""
+    table: list[str | bytes] = []
+    index: dict[str | bytes, int] = {}
+    idx: list[int] = []
+    for p in paths:
+        key = os.fspath(p)
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(table)
+            table.append(key)
+        idx.append(i)
+    return table, idx
+
+
+def _offsets(jobs: Sequence[WriteJob] | Sequence[ReadJob]) -> list[int]:
+    out = []
+    for j, job in enumerate(jobs):
+        off = job.offset
+        if isinstance(off, bool) or not hasattr(off, "__index__") or off < 0:
+            raise ValueError(f"jobs[{j}].offset must be an int >= 0, got {off!r}")
+        out.append(off)
+    return out
+
+
+def write(
+    jobs: Sequence[WriteJob],
+    *,
+    pool: ThreadPool | None = None,
+    threads: int | None = None,
+    fsync: bool = False,
+    checksum: bool = True,
+    _piece: int = 0,
+    _faults: FaultInjector | None = None,
+) -> list[int]:
+    """Write every job; return each job's CRC-32 (0s when ``checksum`` is
+    false). Every file named by the jobs is created or truncated first
+    (O_CREAT|O_TRUNC), then sized to its last job's end; gaps read as zeros.
+    With ``fsync`` every file is fsynced before the call returns. Jobs in one
+    file must not overlap. Raises ShardstateIOError (an OSError with errno
+    and filename) on a system failure; the files are then left in an
+    unspecified state."""
+    jobs = list(jobs)
+    paths, idx = _file_table(job.path for job in jobs)
+    return _core.write_batch(
+        paths,
+        idx,
+        _offsets(jobs),
+        [job.data for job in jobs],
+        _pool_for(pool, threads),
+        bool(fsync),
+        bool(checksum),
+        _piece,
+        _faults,
+    )
+
+
+def read(
+    jobs: Sequence[ReadJob],
+    *,
+    pool: ThreadPool | None = None,
+    threads: int | None = None,
+    verify: bool = True,
+    checksum: bool = True,
+    _piece: int = 0,
+    _faults: FaultInjector | None = None,
+) -> list[int]:
+    """Read every job straight into its ``out`` buffer; return each job's
+    CRC-32. With ``verify``, a job whose ``crc`` is set and differs raises
+    ChecksumError (with ``path``, ``offset`` and ``job`` attributes). With
+    ``checksum=False`` only verified jobs are checksummed; the others report
+    0. A job reaching past the end of its file raises ShardstateError
+    before anything is read."""
+    jobs = list(jobs)
+    paths, idx = _file_table(job.path for job in jobs)
+    crcs = [job.crc for job in jobs]
+    return _core.read_batch(
+        paths,
+        idx,
+        _offsets(jobs),
+        [job.out for job in jobs],
+        None if all(c is None for c in crcs) else crcs,
+        _pool_for(pool, threads),
+        bool(verify),
+        bool(checksum),
+        _piece,
+        _faults,
+    )
+
+
+def atomic_publish(
+    path: PathLike,
+    data: Buffer,
+    *,
+    fsync: bool = True,
+    _faults: FaultInjector | None = None,
+) -> None:
+    """Replace ``path`` with ``data`` atomically: readers see the old file or
+    the new one, never a mix. Writes a temp file in the same directory,
+    fsyncs it, renames it over ``path`` and fsyncs the directory (the
+    fsyncs are skipped with ``fsync=False``). On failure the temp file is
+    removed and the old file is left as it was (unless only the final
+    directory fsync failed: then the new file is in place, not yet durable)."""
+    _core.publish(path, data, bool(fsync), _faults)
