@@ -3,8 +3,10 @@
     python benchmarks/bench_io.py [--gib 1] [--dirs /dev/shm build/bench] [--repeat 5]
 
 For each directory, on the same buffers in one run:
-  engine write   shardstate.io.write, N threads, CRC-32 of every job in the same pass
-  raw pwrite     one thread, a plain pwrite loop in C, no checksum (the raw limit)
+  engine write   shardstate.io.write, --threads threads (the caller counted),
+                 CRC-32 of every job computed in the same pass
+  raw pwrite     one thread, a plain pwrite loop in C (one call per job), no
+                 checksum: the raw limit
   python write   open().write() of each buffer
   engine read    shardstate.io.read into preallocated arrays, CRC verified
   raw pread      one thread, a plain pread loop in C, no checksum
@@ -50,7 +52,7 @@ def rm(path: str) -> None:
         pass
 
 
-def bench_dir(d: str, data: np.ndarray, job_bytes: int, pool, repeat: int) -> dict:
+def bench_dir(d: str, data: np.ndarray, job_bytes: int, threads: int, repeat: int) -> dict:
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "shardstate-bench.bin")
     total = data.nbytes
@@ -61,8 +63,8 @@ def bench_dir(d: str, data: np.ndarray, job_bytes: int, pool, repeat: int) -> di
     def clear():
         rm(path)
 
-    res["engine write"] = median_time(lambda: ssio.write(jobs, pool=pool), repeat, clear)
-    res["raw pwrite"] = median_time(lambda: _core._raw_pwrite(path, data), repeat, clear)
+    res["engine write"] = median_time(lambda: ssio.write(jobs, threads=threads), repeat, clear)
+    res["raw pwrite"] = median_time(lambda: _core._raw_pwrite(path, data, job_bytes), repeat, clear)
 
     def py_write():
         with open(path, "wb") as f:
@@ -71,14 +73,14 @@ def bench_dir(d: str, data: np.ndarray, job_bytes: int, pool, repeat: int) -> di
 
     res["python write"] = median_time(py_write, repeat, clear)
 
-    crcs = ssio.write(jobs, pool=pool)
+    crcs = ssio.write(jobs, threads=threads)
     out = np.empty_like(data)
     outs = [out[o:o + job_bytes] for o in range(0, total, job_bytes)]
     rjobs = [ssio.ReadJob(path, i * job_bytes, v, crc) for i, (v, crc) in enumerate(zip(outs, crcs))]
-    res["engine read"] = median_time(lambda: ssio.read(rjobs, pool=pool, verify=True), repeat)
+    res["engine read"] = median_time(lambda: ssio.read(rjobs, threads=threads, verify=True), repeat)
     if not np.array_equal(out, data):
         raise SystemExit("engine read returned different bytes")
-    res["raw pread"] = median_time(lambda: _core._raw_pread(path, out), repeat)
+    res["raw pread"] = median_time(lambda: _core._raw_pread(path, out, job_bytes), repeat)
     rm(path)
     return {k: total / v / 2**30 for k, v in res.items()}  # GiB/s
 
@@ -97,14 +99,13 @@ def main() -> int:
     total = int(args.gib * (1 << 30)) // (args.job_mib << 20) * (args.job_mib << 20)
     rng = np.random.default_rng(0)
     data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
-    pool = shardstate.ThreadPool(args.threads)
     print(f"shardstate {shardstate.__version__}, CRC implementations {shardstate.crc_implementation()}")
     print(f"{total / 2**30:.2f} GiB per run in {args.job_mib} MiB jobs, engine threads={args.threads}, "
           f"median of {args.repeat}; cpu_count={os.cpu_count()}")
 
     ok = True
     for d in args.dirs:
-        r = bench_dir(os.path.abspath(d), data, args.job_mib << 20, pool, args.repeat)
+        r = bench_dir(os.path.abspath(d), data, args.job_mib << 20, args.threads, args.repeat)
         print(f"\n{os.path.abspath(d)}  (GiB/s)")
         for k, v in r.items():
             print(f"  {k:<13} {v:7.2f}")

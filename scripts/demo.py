@@ -70,12 +70,11 @@ def main() -> None:
     mine = [buffer_bytes(rank, i, buf_bytes) for i in range(nbuf)]
     path = os.path.join(ckpt, f"__{rank}_0.distcp")
     offsets = [i * ((buf_bytes + ALIGN - 1) // ALIGN * ALIGN) for i in range(nbuf)]
-    pool = shardstate.ThreadPool(args.threads)
     dist.barrier()
     t0 = time.perf_counter()
     crcs = ssio.write(
         [ssio.WriteJob(path, off, buf) for off, buf in zip(offsets, mine)],
-        pool=pool, fsync=True,
+        threads=args.threads, fsync=True,
     )
     t_write = time.perf_counter() - t0
     entries = [
@@ -108,7 +107,7 @@ def main() -> None:
     ssio.read(
         [ssio.ReadJob(os.path.join(ckpt, e["file"]), e["offset"], out, e["crc32"])
          for e, out in zip(assigned, outs)],
-        pool=pool, verify=True,
+        threads=args.threads, verify=True,
     )
     t_read = time.perf_counter() - t0
     foreign = sum(1 for e in assigned if e["owner"] != rank)

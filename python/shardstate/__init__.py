@@ -18,7 +18,9 @@ from ._core import (
     crc_implementation,
 )
 
+from . import io
 from .geometry import Overlap, OverlapIndex, copy_region, overlaps
+from .io import ReadJob, WriteJob
 
 __version__ = "0.1.0"
 
@@ -27,6 +29,8 @@ __all__ = [
     "GeomIndex",
     "Overlap",
     "OverlapIndex",
+    "ReadJob",
+    "WriteJob",
     "copy_region",
     "overlaps",
     "ShardstateError",
@@ -37,4 +41,5 @@ __all__ = [
     "crc32c",
     "crc32c_combine",
     "crc_implementation",
+    "io",
 ]
