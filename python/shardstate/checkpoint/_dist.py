@@ -1,0 +1,164 @@
+"""Cross-rank steps that never leave a rank waiting for a failed one.
+
+``_Coordinator`` wraps a torch.distributed group (or no group at all, for a
+single process; then torch is never imported). Each step runs a function on
+every rank and exchanges the results with object collectives; an exception
+on any rank is caught, carried to the coordinator, and re-raised on *every*
+rank as one :class:`CheckpointException` naming the failing ranks and their
+causes. Because every rank always reaches the same collective, a failure
+can't strand the others in a collective that never completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .api import CheckpointException, _get_failure_dict, _wrap_exception
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def dist_ready() -> bool:
+    """True when torch.distributed is importable and initialised."""
+    import sys
+
+    if "torch" not in sys.modules:
+        # A process that never imported torch cannot have a process group.
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+class _Coordinator:
+    def __init__(self, group: Any, use_dist: bool, coordinator_rank: int = 0):
+        self.group = group
+        self.use_dist = use_dist
+        self.coordinator_rank = coordinator_rank
+        if use_dist:
+            import torch.distributed as dist
+
+            self._dist = dist
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.global_coordinator_rank = (
+                dist.get_global_rank(group, coordinator_rank) if group is not None
+                else coordinator_rank)
+        else:
+            self.rank = 0
+            self.world_size = 1
+            self.global_coordinator_rank = 0
+        self.is_coordinator = self.rank == coordinator_rank
+
+    # ---- object collectives (no-ops without a group)
+
+    def gather_object(self, obj: T) -> list[T] | None:
+        if not self.use_dist:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        self._dist.gather_object(obj, out, dst=self.global_coordinator_rank, group=self.group)
+        return out
+
+    def scatter_object(self, objs: list[T] | None) -> T:
+        if not self.use_dist:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, objs if self.is_coordinator else None,
+                                       src=self.global_coordinator_rank, group=self.group)
+        return out[0]
+
+    def broadcast_object(self, obj: T | None) -> T:
+        if not self.use_dist:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self.global_coordinator_rank, group=self.group)
+        return box[0]  # type: ignore[return-value]
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        if not self.use_dist:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.use_dist:
+            self._dist.barrier(group=self.group)
+
+    # ---- failure-safe steps
+
+    @staticmethod
+    def _run(fn: Callable[[], T]) -> Any:
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - carried to every rank
+            return _wrap_exception(e)
+
+    def reduce_scatter(self, step: str, map_fn: Callable[[], T],
+                       reduce_fn: Callable[[list[T]], list[R]]) -> R:
+        """map_fn on every rank; reduce_fn on the coordinator over all
+        results; rank i receives element i of its output."""
+        gathered = self.gather_object(self._run(map_fn))
+        outputs: list[Any] | None = None
+        if self.is_coordinator:
+            assert gathered is not None
+            failures = _get_failure_dict(gathered)
+            if not failures:
+                reduced = self._run(lambda: reduce_fn(gathered))
+                if _get_failure_dict([reduced]):
+                    failures[self.rank] = reduced
+                elif isinstance(reduced, list) and len(reduced) == self.world_size:
+                    outputs = reduced
+                else:
+                    failures[self.rank] = _wrap_exception(ValueError(
+                        f"{step}: the global step returned {type(reduced).__name__} "
+                        f"instead of a list of {self.world_size} plans"))
+            if failures:
+                outputs = [CheckpointException(step, failures)] * self.world_size
+        result = self.scatter_object(outputs)
+        if isinstance(result, CheckpointException):
+            raise result
+        return result
+
+    def all_reduce(self, step: str, map_fn: Callable[[], T],
+                   reduce_fn: Callable[[list[T]], R]) -> R:
+        """map_fn on every rank; reduce_fn on the coordinator; its result
+        broadcast to every rank."""
+        gathered = self.gather_object(self._run(map_fn))
+        result: Any = None
+        if self.is_coordinator:
+            assert gathered is not None
+            failures = _get_failure_dict(gathered)
+            if not failures:
+                result = self._run(lambda: reduce_fn(gathered))
+                if _get_failure_dict([result]):
+                    failures[self.rank] = result
+            if failures:
+                result = CheckpointException(step, failures)
+        result = self.broadcast_object(result)
+        if isinstance(result, CheckpointException):
+            raise result
+        return result
+
+    def all_gather(self, step: str, map_fn: Callable[[], T]) -> list[T]:
+        """map_fn on every rank; every rank gets all results."""
+        results = self.all_gather_object(self._run(map_fn))
+        failures = _get_failure_dict(results)
+        if failures:
+            raise CheckpointException(step, failures)
+        return results
+
+    def broadcast(self, step: str, map_fn: Callable[[], T]) -> T:
+        """map_fn on the coordinator; its result on every rank."""
+        result: Any = None
+        if self.is_coordinator:
+            result = self._run(map_fn)
+            if _get_failure_dict([result]):
+                result = CheckpointException(step, {self.rank: result})
+        result = self.broadcast_object(result)
+        if isinstance(result, CheckpointException):
+            raise result
+        return result

@@ -1,0 +1,34 @@
+"""Choosing the storage and the process group for a save or load."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._dist import _Coordinator, dist_ready
+
+
+def _storage_setup(storage: Any, checkpoint_id: str | os.PathLike | None, reader: bool) -> Any:
+    """The storage to use: the one given (reset to checkpoint_id if given),
+    else a FileSystemReader/Writer on checkpoint_id."""
+    if storage is not None:
+        if checkpoint_id is not None:
+            storage.reset(checkpoint_id)
+        return storage
+    if checkpoint_id is None:
+        kind = "storage_reader" if reader else "storage_writer"
+        raise RuntimeError(f"`checkpoint_id` must be specified if {kind} is None.")
+    from .filesystem import FileSystemReader, FileSystemWriter
+
+    cls = FileSystemReader if reader else FileSystemWriter
+    if not cls.validate_checkpoint_id(checkpoint_id):
+        raise RuntimeError(
+            f"Cannot detect which StorageReader or StorageWriter to use for "
+            f"checkpoint_id {os.fspath(checkpoint_id)!r}: it is not a local path.")
+    return cls(checkpoint_id)
+
+
+def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int = 0) -> _Coordinator:
+    """no_dist is implied when torch.distributed is not initialised."""
+    use_dist = (not no_dist) and dist_ready()
+    return _Coordinator(process_group, use_dist, coordinator_rank)

@@ -1,0 +1,91 @@
+"""load and the deprecated load_state_dict."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from typing import Any
+
+from ._dist import _Coordinator
+from ._setup import _coordinator, _storage_setup
+from .stateful import Stateful
+
+__all__ = ["load", "load_state_dict"]
+
+
+def _default_load_planner() -> Any:
+    from .default_planner import DefaultLoadPlanner
+
+    return DefaultLoadPlanner()
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_reader: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> None:
+    """Load a checkpoint into ``state_dict`` in place, in SPMD style.
+
+    Same signature and behaviour as ``torch.distributed.checkpoint.load``:
+    tensors are filled in place, other values replaced, and top-level
+    Stateful values get ``load_state_dict`` called with what was loaded.
+    """
+    reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
+    keys = sorted(state_dict.keys())  # every rank walks the keys in one order
+    flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
+                else state_dict[k]) for k in keys}
+    _load_state_dict(flat, reader, _coordinator(process_group, no_dist), planner)
+    for k in keys:
+        if isinstance(state_dict[k], Stateful):
+            state_dict[k].load_state_dict(flat[k])
+        else:
+            state_dict[k] = flat[k]
+
+
+def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
+                     planner: Any) -> None:
+    if planner is None:
+        planner = _default_load_planner()
+
+    def local_step() -> Any:
+        metadata = reader.read_metadata()
+        planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
+        if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:
+            reader.set_up_storage_reader(metadata, coord.is_coordinator, rank=coord.rank,
+                                         use_collectives=True)
+        else:
+            reader.set_up_storage_reader(metadata, coord.is_coordinator)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans: list) -> list:
+        return reader.prepare_global_plan(planner.create_global_plan(all_plans))
+
+    central_plan = coord.reduce_scatter("plan", local_step, global_step)
+
+    def read_data() -> None:
+        futures = reader.read_data(planner.finish_plan(central_plan), planner)
+        futures.wait()
+
+    coord.all_gather("read", read_data)
+
+
+def load_state_dict(
+    state_dict: dict[str, Any],
+    storage_reader: Any,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: Any = None,
+) -> None:
+    """Deprecated: use :func:`load`."""
+    warnings.warn(
+        "'load_state_dict' is deprecated and will be removed in future versions. "
+        "Please use 'load' instead.", FutureWarning, stacklevel=2)
+    storage_reader.reset()
+    coord = _coordinator(process_group, no_dist, coordinator_rank)
+    _load_state_dict(state_dict, storage_reader, coord, planner)

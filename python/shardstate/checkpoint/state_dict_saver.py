@@ -1,0 +1,212 @@
+"""save, async_save and the deprecated save_state_dict."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import threading
+import warnings
+from concurrent.futures import Future
+from typing import Any
+
+from ._dist import _Coordinator
+from ._setup import _coordinator, _storage_setup
+from .metadata import STATE_DICT_TYPE, Metadata
+from .stateful import Stateful
+
+__all__ = ["AsyncSaveResponse", "async_save", "save", "save_state_dict"]
+
+
+def _stateful_to_state_dict(state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+    """Top-level Stateful values are saved through their state_dict()."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def _default_save_planner() -> Any:
+    from .default_planner import DefaultSavePlanner
+
+    return DefaultSavePlanner()
+
+
+def save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Metadata:
+    """Save a state dict in SPMD style: every rank calls it with its own shards.
+
+    Same signature and behaviour as ``torch.distributed.checkpoint.save``;
+    ``no_dist`` is implied when torch.distributed is not initialised (no
+    warning). Any rank's failure raises :class:`CheckpointException` on every
+    rank, and leaves no ``.metadata`` behind.
+    """
+    writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
+    return _save_state_dict(
+        _stateful_to_state_dict(state_dict), writer, _coordinator(process_group, no_dist),
+        planner, use_collectives)
+
+
+def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
+                     planner: Any, use_collectives: bool = True) -> Metadata:
+    if planner is None:
+        planner = _default_save_planner()
+    global_metadata: Metadata | None = None
+
+    def local_step() -> Any:
+        params = inspect.signature(planner.set_up_planner).parameters
+        if "storage_meta" in params:
+            planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
+                                   is_coordinator=coord.is_coordinator)
+        else:
+            planner.set_up_planner(state_dict, coord.is_coordinator)
+        if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
+            writer.set_up_storage_writer(coord.is_coordinator, rank=coord.rank,
+                                         use_collectives=use_collectives)
+        else:
+            writer.set_up_storage_writer(coord.is_coordinator)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_plans: list) -> list:
+        nonlocal global_metadata
+        all_plans, global_metadata = planner.create_global_plan(all_plans)
+        return writer.prepare_global_plan(all_plans)
+
+    if use_collectives:
+        central_plan = coord.reduce_scatter("plan", local_step, global_step)
+    else:
+        central_plan = global_step([local_step()])[0]
+
+    def write_data() -> Any:
+        futures = writer.write_data(planner.finish_plan(central_plan), planner)
+        futures.wait()
+        return futures.value()
+
+    def finish(all_results: list) -> Metadata:
+        assert global_metadata is not None
+        writer.finish(metadata=global_metadata, results=all_results)
+        return global_metadata
+
+    if use_collectives:
+        return coord.all_reduce("write", write_data, finish)
+    metadata = finish([write_data()])
+    coord.barrier()
+    return metadata
+
+
+def save_state_dict(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: Any,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: Any = None,
+) -> Metadata:
+    """Deprecated: use :func:`save`."""
+    warnings.warn(
+        "'save_state_dict' is deprecated and will be removed in future versions. "
+        "Please use 'save' instead.", FutureWarning, stacklevel=2)
+    storage_writer.reset()
+    coord = _coordinator(process_group, no_dist, coordinator_rank)
+    return _save_state_dict(state_dict, storage_writer, coord, planner)
+
+
+# ---------------------------------------------------------------- async_save
+
+class AsyncSaveResponse(Future):
+    """What async_save returns: a Future of the save's Metadata (so code
+    written for torch's return value keeps working) that also shows the two
+    phases separately: ``staging_completion`` (done when async_save returns:
+    the state is copied, the caller may modify its tensors) and
+    ``upload_completion`` (this future: done when the checkpoint is
+    committed, or failed with the exception)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging_completion: Future = Future()
+        self.upload_completion: Future = self
+
+
+# One extra gloo group per process group, used only by background saves so
+# their collectives never interleave with the training loop's.
+_async_groups: dict[Any, Any] = {}
+_async_groups_lock = threading.Lock()
+
+
+def _async_group(process_group: Any) -> Any:
+    import torch.distributed as dist
+
+    key = process_group if process_group is not None else "default"
+    with _async_groups_lock:
+        if key not in _async_groups:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
+                else list(range(dist.get_world_size()))
+            _async_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+        return _async_groups[key]
+
+
+def _stage(value: Any) -> Any:
+    """A private copy of a state-dict value, in host memory."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value.detach().clone()
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        staged = {k: _stage(v) for k, v in value.items()}
+        return staged if type(value) is dict else type(value)(staged)
+    if isinstance(value, list):
+        return [_stage(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_stage(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def async_save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: Any = None,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> AsyncSaveResponse:
+    """Copy the state to host memory, then save it in the background.
+
+    Returns once staging is done (the caller may then modify its tensors);
+    the returned future completes with the Metadata when the checkpoint is
+    committed, or with the exception (a CheckpointException when any rank
+    failed). Background saves of a process group use a private gloo group,
+    so they never interleave with the caller's own collectives.
+    """
+    writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
+    coord = _coordinator(process_group, no_dist)
+    if coord.use_dist:
+        coord = _Coordinator(_async_group(process_group), True, 0)
+    response = AsyncSaveResponse()
+    if async_stager is not None:
+        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+        if isinstance(staged, Future):
+            staged = staged.result()
+    else:
+        staged = _stage(_stateful_to_state_dict(state_dict))
+    response.staging_completion.set_result(None)
+
+    def run() -> None:
+        try:
+            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            response.set_exception(e)
+
+    threading.Thread(target=run, name="shardstate-async-save", daemon=True).start()
+    return response
