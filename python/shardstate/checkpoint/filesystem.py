@@ -1,0 +1,977 @@
+"""``FileSystemWriter`` / ``FileSystemReader``: DCP checkpoints in a directory,
+with the bulk work done by the C I/O engine.
+
+The files are exactly those torch 2.13's ``FileSystemWriter`` writes for the
+same plan (docs/FORMAT.md): ``__{rank}_{n}.distcp`` data files split the same
+way (``thread_count`` buckets per rank with ``single_file_per_rank``, one file
+per item otherwise, empty files included), items in the same order, each a
+``torch.save`` zip record, and ``.metadata`` a pickle of torch's metadata
+classes, published last.
+
+Writing: every record of a rank is laid out up front (a record's header
+depends only on dtype and shape), then one ``shardstate.io.write`` batch
+writes all headers, tensor bytes (straight from the tensors' memory) and bytes
+items while computing each tensor's CRC-32; the small trailers, which hold the
+CRC, are written after it. ``finish`` publishes ``.metadata`` atomically.
+
+Reading: records are located through ``storage_data`` (paths confined to the
+checkpoint directory, every offset and length checked against the file),
+parsed without unpickling, and the tensor bytes read by one
+``shardstate.io.read`` batch straight into the destination tensors when the
+saved chunk maps onto them as one block, else into a scratch buffer and
+copied; the engine checks every record's CRC-32 as it reads.
+
+Stopgap (to be replaced by ``shardstate.checkpoint._pickle``): ``.metadata``
+is written with ``pickle`` only when it holds torch's own classes, and read
+with a restricted unpickler that admits only the metadata classes, torch
+dtypes, ``torch.Size``, layouts and paths (``_load_metadata``).
+
+Thread safety: one reader or writer instance serves one save or load at a
+time, as in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import mmap
+import os
+import pickle
+import stat
+import sys
+import uuid
+import warnings
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import io as ssio
+from .._core import ChecksumError, ShardstateError
+from ._zipfmt import RecordFormatError, TensorRecordPlan, parse_record, plan_tensor_record
+from .metadata import StorageMeta, _StorageInfo
+from .planner import element_size
+from .storage import StorageReader, StorageWriter, WriteResult, completed_future
+
+__all__ = [
+    "FileSystemReader",
+    "FileSystemWriter",
+    "SerializationFormat",
+    "StorageFormatError",
+]
+
+_METADATA_FN = ".metadata"
+DEFAULT_SUFFIX = ".distcp"
+CURRENT_DCP_VERSION = "1.0.0"
+
+# A .metadata larger than this is refused before it is read.
+_MAX_METADATA_BYTES = 4 << 30
+# Scratch memory a load may hold at once for items that cannot be read in place.
+_SCRATCH_BUDGET = 256 << 20
+
+
+class StorageFormatError(ShardstateError, ValueError):
+    """A checkpoint's files or storage data are malformed or unsafe (a path
+    outside the directory, an item past the end of its file, a bad record)."""
+
+
+class SerializationFormat(Enum):
+    TORCH_SAVE = "torch_save"
+    SAFETENSORS = "safetensors"
+
+
+@dataclass
+class _StoragePrefix:
+    prefix: str
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+# --------------------------------------------------------------------------
+# .metadata (stopgap until shardstate.checkpoint._pickle lands)
+# --------------------------------------------------------------------------
+
+_TORCH_MD = "torch.distributed.checkpoint.metadata"
+_TORCH_FS = "torch.distributed.checkpoint.filesystem"
+
+
+def _is_torch_metadata(md: Any) -> bool:
+    return type(md).__module__ == _TORCH_MD
+
+
+def _to_torch_classes(md: Any) -> None:
+    """Swaps our _StorageInfo / StorageMeta in a torch Metadata for torch's
+    own, so it pickles under torch's class paths."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as TSI
+    from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+
+    sd = {}
+    for k, v in (md.storage_data or {}).items():
+        if isinstance(v, _StorageInfo):
+            v = TSI(v.relative_path, v.offset, v.length, v.transform_descriptors)
+        sd[k] = v
+    md.storage_data = sd
+    sm = md.storage_meta
+    if isinstance(sm, StorageMeta):
+        md.storage_meta = TSM(sm.checkpoint_id, sm.save_id, sm.load_id, list(sm.modules))
+
+
+def _dump_metadata(md: Any) -> bytes:
+    """The ``.metadata`` bytes for ``md``. STOPGAP: pickles torch's own
+    Metadata with ``pickle`` (as torch does); shardstate's torch-free
+    Metadata needs ``shardstate.checkpoint._pickle.dumps_metadata``."""
+    if _is_torch_metadata(md):
+        _to_torch_classes(md)
+        return pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)
+    try:
+        from ._pickle import dumps_metadata  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise NotImplementedError(
+            "writing shardstate's own Metadata needs shardstate.checkpoint._pickle "
+            "(not available yet); drive this writer with torch's Metadata"
+        ) from None
+    return bytes(dumps_metadata(md))
+
+
+_MD_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+}
+_PATHS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+_LAYOUTS = {"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
+            "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"}
+
+
+def _get_layout(name: object) -> Any:
+    """torch.serialization._get_layout, restricted to layout names."""
+    if type(name) is not str or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"_get_layout({name!r}) is not a torch layout")
+    layout = getattr(_torch(), name[len("torch."):], None)
+    if layout is None:
+        raise pickle.UnpicklingError(f"this torch has no layout {name}")
+    return layout
+
+
+def _torch_dtype(name: str) -> Any:
+    torch = _torch()
+    obj = getattr(torch, name, None)
+    if not isinstance(obj, torch.dtype):
+        raise pickle.UnpicklingError(f"torch.{name} is not a torch dtype")
+    return obj
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """STOPGAP restricted unpickler for ``.metadata`` (to be replaced by
+    ``shardstate.checkpoint._pickle.loads_metadata``): only torch's metadata
+    classes, ``_StorageInfo``, ``torch.Size``, torch dtypes, layouts (through
+    a checked ``_get_layout``), pathlib paths and ``collections.OrderedDict``
+    are admitted; anything else raises ``pickle.UnpicklingError`` naming it,
+    before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+
+        if module == _TORCH_MD and name in _MD_CLASSES:
+            return getattr(importlib.import_module(module), name)
+        if module == _TORCH_FS and name == "_StorageInfo":
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and name == "Size":
+            return _torch().Size
+        if module == "torch":
+            return _torch_dtype(name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return _get_layout
+        if module == "pathlib" and name in _PATHS:
+            import pathlib
+
+            return getattr(pathlib, name)
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(
+            f".metadata references {module}.{name}, which is not allowed in checkpoint metadata"
+        )
+
+
+def _load_metadata(data: bytes, path: str = _METADATA_FN) -> Any:
+    """Restricted load of ``.metadata`` (STOPGAP, see _MetadataUnpickler)."""
+    try:
+        from ._pickle import loads_metadata  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        loads_metadata = None
+    if loads_metadata is not None:
+        return loads_metadata(data)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise StorageFormatError(f"{path}: refused or malformed checkpoint metadata: {e}") from e
+    if type(md).__name__ != "Metadata" or type(md).__module__ != _TORCH_MD:
+        raise StorageFormatError(f"{path}: holds a {type(md).__name__}, not a Metadata")
+    return md
+
+
+# --------------------------------------------------------------------------
+# Bytes items: restricted check of a record's pickle before it is loaded
+# --------------------------------------------------------------------------
+
+_BYTES_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("builtins", "range"),
+    ("_codecs", "encode"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+} | {("pathlib", n) for n in _PATHS}
+
+
+def _allowed_bytes_global(module: str, name: str) -> bool:
+    if (module, name) in _BYTES_GLOBALS:
+        return True
+    if module == "torch" and (name.endswith("Storage") or name.isidentifier()):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            obj = getattr(torch, name, None)
+            return isinstance(obj, torch.dtype) or (
+                name.endswith("Storage") and isinstance(obj, type)
+            )
+    if module == "numpy.dtypes" and name.endswith("DType"):
+        return True
+    return False
+
+
+class _Inert:
+    """Stands for every object a checked pickle builds; accepts any state."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, v: Any) -> None:
+        pass
+
+    def extend(self, v: Any) -> None:
+        pass
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    """Walks a pickle with every allowed global replaced by an inert class:
+    nothing is imported or called. Any other global raises."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed_bytes_global(module, name):
+            raise pickle.UnpicklingError(
+                f"references {module}.{name}, which is not allowed in a checkpoint item "
+                "(pass unsafe_unpickle=True to FileSystemReader to load it anyway)"
+            )
+        return type(name, (_Inert,), {})
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Inert()
+
+
+def _check_bytes_record(record: bytes, where: str) -> None:
+    """Checks a bytes item (a torch.save zip): every entry's CRC-32 and the
+    globals its data.pkl uses. Raises ChecksumError or StorageFormatError."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(record))
+        names = zf.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise StorageFormatError(f"{where}: bytes item has no single data.pkl")
+        for n in names:
+            zf.read(n)  # zipfile checks each entry's CRC-32
+        data = zf.read(pkl[0])
+    except zipfile.BadZipFile as e:
+        if "CRC" in str(e):
+            raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
+        raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
+    try:
+        _CheckingUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any failure of the walk means "not admitted"
+        raise StorageFormatError(f"{where}: bytes item refused: {e}") from e
+
+
+# --------------------------------------------------------------------------
+# Writer
+# --------------------------------------------------------------------------
+
+
+def _item_size(item: Any) -> int:
+    td = item.tensor_data
+    n = 1
+    for s in td.size:
+        n *= int(s)
+    return n * element_size(td.properties.dtype)
+
+
+def _is_bytes_item(item: Any) -> bool:
+    return item.type.name == "BYTE_IO"
+
+
+def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
+    """torch's bucketing of a rank's items into ``bins`` files: bytes items
+    round-robin, tensors largest first into the lightest bucket."""
+    if bins == 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for i, wi in enumerate(w for w in items if _is_bytes_item(w)):
+        buckets[i % bins].append(wi)
+    for wi in sorted((w for w in items if not _is_bytes_item(w)), key=_item_size, reverse=True):
+        idx = min(range(bins), key=sizes.__getitem__)
+        buckets[idx].append(wi)
+        sizes[idx] += _item_size(wi)
+    return buckets
+
+
+def _storage_bytes(t: Any) -> np.ndarray:
+    """A zero-copy uint8 view of a CPU tensor's whole storage."""
+    torch = _torch()
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+
+
+def _region_bytes(t: Any) -> np.ndarray:
+    """A writable zero-copy uint8 view of a contiguous CPU tensor's elements."""
+    torch = _torch()
+    isz = t.element_size()
+    return (
+        torch.empty(0, dtype=torch.uint8)
+        .set_(t.untyped_storage(), t.storage_offset() * isz, (t.numel() * isz,), (1,))
+        .numpy()
+    )
+
+
+def _prepare_tensor(t: Any) -> Any:
+    """The tensor torch's DCP writer would torch.save for ``t``: detached, on
+    the CPU, cloned when its storage holds more than its own bytes."""
+    torch = _torch()
+    t = t.detach()
+    if t.layout != torch.strided:
+        raise NotImplementedError(f"saving a {t.layout} tensor is not supported")
+    t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        # torch.save would record the bit; we store the resolved values.
+        t = t.resolve_conj().resolve_neg()
+    if t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()
+    if t.storage_offset() != 0:  # overlapping strides over an exact storage
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _uses_overlapping_loader(thread_count: int, copy_ahead: int) -> bool:
+    """torch orders a file's tensors by size (its _OverlappingCpuLoader) only
+    with one thread, an accelerator present and copy-ahead on."""
+    if thread_count != 1 or copy_ahead <= 0:
+        return False
+    torch = _torch()
+    if torch.cuda.is_available():
+        return True
+    name = torch._C._get_privateuse1_backend_name()
+    mod = getattr(torch, name, None)
+    return bool(mod and mod.is_available())
+
+
+@dataclass
+class _PendingTrailer:
+    path: str
+    offset: int
+    plan: TensorRecordPlan
+    job: int  # index of the data job in the batch
+
+
+class FileSystemWriter(StorageWriter):
+    """Writes a DCP checkpoint directory, byte-identical to torch 2.13's
+    ``FileSystemWriter`` with the same options.
+
+    ``thread_count`` sets how many files each rank writes (as in torch); the
+    I/O itself always runs on the engine's thread pool. ``per_thread_copy_ahead``
+    only matters for torch's item order when an accelerator is present, and
+    is honoured for that. ``cache_staged_state_dict`` is accepted for
+    compatibility; staging belongs to ``async_save``. ``_extensions`` (stream
+    transforms) and ``SerializationFormat.SAFETENSORS`` raise
+    NotImplementedError.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = SerializationFormat.TORCH_SAVE,
+    ) -> None:
+        super().__init__()
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        if _extensions:
+            raise NotImplementedError(
+                "FileSystemWriter(_extensions=...) stream transforms are not supported"
+            )
+        if getattr(serialization_format, "value", serialization_format) != "torch_save":
+            raise NotImplementedError(
+                f"serialization_format={serialization_format!r} is not supported; "
+                "only SerializationFormat.TORCH_SAVE"
+            )
+        self.path = Path(path)
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.overwrite = overwrite
+        self.serialization_format = serialization_format
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (_METADATA_FN if rank is None else f"__{rank}{_METADATA_FN}")
+
+    def _own_metadata_path(self) -> Path:
+        if not self.use_collectives and self.rank is not None:
+            return self._metadata_path(self.rank)
+        return self._metadata_path()
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self.path.mkdir(parents=True, exist_ok=True)
+        probe = self._metadata_path(None if self.use_collectives else 0)
+        if probe.exists():
+            if not self.overwrite:
+                raise RuntimeError(
+                    f"Checkpoint already exists in {self.path} ({probe.name}) and overwrite=False."
+                )
+            warnings.warn(
+                f"Detected an existing checkpoint in {self.path}, overwriting since "
+                "overwrite=True.",
+                stacklevel=2,
+            )
+        # Remove our old .metadata before any data file is touched, so it never
+        # describes new, partial data. Other ranks write only after the global
+        # plan, which needs this (the coordinator's) local plan first.
+        if self.is_coordinator or not self.use_collectives:
+            own = self._own_metadata_path()
+            try:
+                own.unlink()
+            except FileNotFoundError:
+                pass
+            else:
+                _fsync_dir(self.path)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [
+            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+            if p.storage_data is None
+            else p
+            for i, p in enumerate(plans)
+        ]
+
+    def _files(self, plan: Any) -> list[tuple[str, list[Any]]]:
+        prefix = plan.storage_data.prefix
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
+        else:
+            buckets = [[item] for item in plan.items]
+        return [(f"{prefix}{n}{DEFAULT_SUFFIX}", b) for n, b in enumerate(buckets)]
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        reorder = _uses_overlapping_loader(self.thread_count, self.per_thread_copy_ahead)
+        jobs: list[ssio.WriteJob] = []
+        trailers: list[_PendingTrailer] = []
+        results: list[WriteResult] = []
+        empty_files: list[str] = []
+        keep: list[Any] = []  # tensors whose memory the jobs point into
+        for name, items in self._files(plan):
+            path = os.fspath(self.path / name)
+            byte_items = [w for w in items if _is_bytes_item(w)]
+            tensor_items = [w for w in items if not _is_bytes_item(w)]
+            if reorder:
+                tensor_items.sort(key=_item_size)
+            if not items:
+                empty_files.append(path)
+            cursor = 0
+            for item in byte_items:
+                data = planner.resolve_data(item)
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                jobs.append(ssio.WriteJob(path, cursor, buf))
+                results.append(_result(item, name, cursor, buf.nbytes))
+                cursor += buf.nbytes
+            for item in tensor_items:
+                t = _prepare_tensor(planner.resolve_data(item))
+                keep.append(t)
+                rec = plan_tensor_record(
+                    str(t.dtype), tuple(t.shape), tuple(t.stride()),
+                    t.untyped_storage().nbytes() // t.element_size(),
+                )
+                jobs.append(ssio.WriteJob(path, cursor, rec.header))
+                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, _storage_bytes(t)))
+                trailers.append(
+                    _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, rec,
+                                    len(jobs) - 1)
+                )
+                length = rec.data_offset + rec.data_length + len(rec.trailer(0))
+                results.append(_result(item, name, cursor, length))
+                cursor += length
+        crcs = ssio.write(jobs, fsync=False, checksum=True) if jobs else []
+        del keep
+        written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
+        self._finish_files(written, trailers, crcs, empty_files)
+        return completed_future(results)
+
+    def _finish_files(
+        self,
+        written: list[str],
+        trailers: list[_PendingTrailer],
+        crcs: list[int],
+        empty_files: list[str],
+    ) -> None:
+        """Writes each tensor record's trailer (it holds the data's CRC),
+        creates the empty files torch creates, and fsyncs every file."""
+        by_path: dict[str, list[_PendingTrailer]] = {p: [] for p in written}
+        for tr in trailers:
+            by_path[tr.path].append(tr)
+        for path in empty_files:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            try:
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        for path, trs in by_path.items():
+            if not trs and not self.sync_files:
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                for tr in trs:
+                    data = tr.plan.trailer(crcs[tr.job])
+                    n = os.pwrite(fd, data, tr.offset)
+                    while n < len(data):
+                        n += os.pwrite(fd, data[n:], tr.offset + n)
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        data = _dump_metadata(metadata)
+        ssio.atomic_publish(self._own_metadata_path(), data, fsync=self.sync_files)
+
+    def storage_meta(self) -> StorageMeta | None:
+        sm = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+        if "torch" in sys.modules:
+            from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+
+            return TSM(checkpoint_id=sm.checkpoint_id, save_id=sm.save_id)  # type: ignore[return-value]
+        return sm
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+
+def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length,
+                       storage_data=_StorageInfo(name, offset, length))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _validate_checkpoint_id(checkpoint_id: str | os.PathLike) -> bool:
+    if isinstance(checkpoint_id, Path):
+        return True
+    if "://" in str(checkpoint_id):
+        return False
+    return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+
+
+# --------------------------------------------------------------------------
+# Reader
+# --------------------------------------------------------------------------
+
+
+def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    acc = 1
+    for n, s in zip(reversed(shape), reversed(stride)):
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+@dataclass
+class _File:
+    rel: str
+    path: str
+    size: int
+
+
+@dataclass
+class _Req:
+    item: Any
+    info: Any  # _StorageInfo (ours or torch's)
+    file: _File
+
+    @property
+    def key(self) -> str:
+        return str(self.item.dest_index.fqn)
+
+    def where(self) -> str:
+        return f"item {self.key!r} in {self.file.path} at offset {self.info.offset}"
+
+
+class FileSystemReader(StorageReader):
+    """Reads a DCP checkpoint directory written by torch 2.13 or by us.
+
+    Every record's CRC-32 is checked as it is read (``verify_checksums=False``
+    turns that off). Bytes items are handed to ``planner.load_bytes`` only
+    after their pickle has been checked against an allowlist, unless
+    ``unsafe_unpickle=True``. ``_extension_registry`` is accepted for
+    compatibility; records written with stream transforms raise
+    NotImplementedError.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        _extension_registry: Any | None = None,
+        *,
+        verify_checksums: bool = True,
+        unsafe_unpickle: bool = False,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.verify_checksums = verify_checksums
+        self.unsafe_unpickle = unsafe_unpickle
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (_METADATA_FN if rank is None else f"__{rank}{_METADATA_FN}")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._metadata_path(kwargs.get("rank"))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no checkpoint metadata at {path} (incomplete or missing checkpoint)"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageFormatError(f"{path} is not a regular file")
+            if not 0 < st.st_size <= _MAX_METADATA_BYTES:
+                raise StorageFormatError(
+                    f"{path} is {st.st_size} bytes, expected 1..{_MAX_METADATA_BYTES}"
+                )
+            data = f.read(st.st_size + 1)
+        if len(data) != st.st_size:
+            raise StorageFormatError(f"{path} changed size while being read")
+        md = _load_metadata(data, os.fspath(path))
+        if getattr(md, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+
+            md.storage_meta = TSM()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        if self.storage_data is None:
+            raise StorageFormatError(f"{self.path}: metadata has no storage_data")
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+    # ---- locating records ----
+
+    def _open_file(self, rel: object, files: dict[str, _File]) -> _File:
+        if type(rel) is not str:
+            raise StorageFormatError(f"{self.path}: storage path {rel!r} is not a string")
+        f = files.get(rel)
+        if f is not None:
+            return f
+        parts = rel.replace("\\", "/").split("/")
+        if not rel or "\0" in rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} is not a plain relative path inside the "
+                "checkpoint directory"
+            )
+        root = os.path.realpath(self.path)
+        full = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([root, full]) != root:
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} resolves to {full}, outside the checkpoint"
+            )
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint data file {full} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageFormatError(f"checkpoint data file {full} is not a regular file")
+        f = files[rel] = _File(rel, full, st.st_size)
+        return f
+
+    def _requests(self, plan: Any) -> list[_Req]:
+        files: dict[str, _File] = {}
+        reqs = []
+        for item in plan.items:
+            try:
+                info = self.storage_data[item.storage_index]
+            except KeyError:
+                raise StorageFormatError(
+                    f"{self.path}: no storage entry for {item.storage_index}"
+                ) from None
+            if getattr(info, "transform_descriptors", None):
+                raise NotImplementedError(
+                    f"item {item.storage_index.fqn!r} was written with stream transforms "
+                    f"{list(info.transform_descriptors)}, which are not supported"
+                )
+            f = self._open_file(info.relative_path, files)
+            off, n = info.offset, info.length
+            if type(off) is not int or type(n) is not int or off < 0 or n <= 0:
+                raise StorageFormatError(
+                    f"{self.path}: item {item.storage_index.fqn!r} has offset {off!r} and "
+                    f"length {n!r} in {f.rel}"
+                )
+            if off + n > f.size:
+                raise StorageFormatError(
+                    f"item {item.storage_index.fqn!r}: [{off}, {off + n}) runs past the end of "
+                    f"{f.path} ({f.size} bytes)"
+                )
+            reqs.append(_Req(item, info, f))
+        reqs.sort(key=lambda r: (r.file.path, r.info.offset))
+        return reqs
+
+    # ---- reading ----
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        reqs = self._requests(plan)
+        byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
+        tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
+        for r in byte_reqs:
+            self._read_bytes(r, planner)
+        if tensor_reqs:
+            self._read_tensors(tensor_reqs, planner)
+        return completed_future(None)
+
+    def _read_bytes(self, r: _Req, planner: Any) -> None:
+        buf = bytearray(r.info.length)
+        ssio.read([ssio.ReadJob(r.file.path, r.info.offset, buf)], threads=1)
+        record = bytes(buf)
+        if not self.unsafe_unpickle:
+            _check_bytes_record(record, r.where())
+        planner.load_bytes(r.item, io.BytesIO(record))
+
+    def _parse(self, reqs: list[_Req]) -> list[Any]:
+        """Parses each tensor record through a read-only mapping of its file
+        (only the pages holding headers and trailers are touched)."""
+        infos: list[Any] = []
+        i = 0
+        while i < len(reqs):
+            f = reqs[i].file
+            j = i
+            while j < len(reqs) and reqs[j].file is f:
+                j += 1
+            with open(f.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < f.size:
+                    raise StorageFormatError(f"{f.path} shrank while being read")
+                mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
+            try:
+                for r in reqs[i:j]:
+                    view = memoryview(mm)[r.info.offset : r.info.offset + r.info.length]
+                    try:
+                        infos.append(parse_record(view, base_offset=r.info.offset))
+                    except RecordFormatError as e:
+                        raise StorageFormatError(f"{r.where()}: {e}") from None
+                    finally:
+                        view.release()
+            finally:
+                try:
+                    mm.close()
+                except BufferError:  # a traceback still holds a view; GC closes it
+                    pass
+            i = j
+        return infos
+
+    def _read_tensors(self, reqs: list[_Req], planner: Any) -> None:
+        torch = _torch()
+        infos = self._parse(reqs)
+        direct: list[tuple[_Req, Any, Any]] = []  # (req, record, destination)
+        staged: list[tuple[_Req, Any, Any]] = []
+        for r, rec in zip(reqs, infos):
+            dest = planner.resolve_tensor(r.item).detach()
+            lengths = tuple(int(n) for n in r.item.lengths)
+            offs = tuple(int(o) for o in r.item.storage_offsets)
+            if tuple(dest.shape) != lengths:
+                raise StorageFormatError(
+                    f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
+                    f"{lengths}"
+                )
+            if len(offs) != len(rec.shape) or any(
+                o + n > s for o, n, s in zip(offs, lengths, rec.shape)
+            ):
+                raise StorageFormatError(
+                    f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
+                    f"saved chunk of shape {rec.shape}"
+                )
+            whole = lengths == rec.shape and not any(offs)
+            in_place = (
+                whole
+                and rec.storage_offset == 0
+                and _contiguous(rec.shape, rec.stride)
+                and rec.data_length == dest.numel() * dest.element_size()
+                and dest.device.type == "cpu"
+                and str(dest.dtype) == f"torch.{rec.dtype}"
+                and dest.is_contiguous()
+            )
+            (direct if in_place else staged).append((r, rec, dest))
+
+        jobs = [
+            ssio.ReadJob(r.file.path, rec.data_offset, _region_bytes(dest),
+                         rec.data_crc32 if self.verify_checksums else None)
+            for r, rec, dest in direct
+            if rec.data_length
+        ]
+        self._run(jobs, [x for x in direct if x[1].data_length])
+        for r, _rec, dest in direct:
+            planner.commit_tensor(r.item, dest)
+
+        # Items that need a copy: read each record's storage whole (so its
+        # CRC can be checked) into scratch, in batches of bounded size.
+        batch: list[tuple[_Req, Any, Any]] = []
+        used = 0
+        for x in staged + [None]:  # type: ignore[list-item]
+            if x is not None and (not batch or used + x[1].data_length <= _SCRATCH_BUDGET):
+                batch.append(x)
+                used += x[1].data_length
+                continue
+            scratch = [np.empty(rec.data_length, np.uint8) for _r, rec, _d in batch]
+            jobs = [
+                ssio.ReadJob(r.file.path, rec.data_offset, s,
+                             rec.data_crc32 if self.verify_checksums else None)
+                for (r, rec, _d), s in zip(batch, scratch)
+            ]
+            self._run(jobs, batch)
+            for (r, rec, dest), s in zip(batch, scratch):
+                dt = getattr(torch, rec.dtype)
+                src = torch.from_numpy(s).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
+                src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
+                for d, (o, n) in enumerate(zip(r.item.storage_offsets, r.item.lengths)):
+                    src = src.narrow(d, int(o), int(n))
+                dest.copy_(src)
+                planner.commit_tensor(r.item, dest)
+            batch, used = ([x], x[1].data_length) if x is not None else ([], 0)
+
+    def _run(self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, Any, Any]]) -> None:
+        if not jobs:
+            return
+        try:
+            ssio.read(jobs, verify=self.verify_checksums, checksum=False)
+        except ChecksumError as e:
+            k = getattr(e, "job", None)
+            if not isinstance(k, int) or not 0 <= k < len(reqs):
+                raise
+            r, rec, _ = reqs[k]
+            raise ChecksumError(
+                f"CRC-32 mismatch in {r.where()}: the tensor data at file offset "
+                f"{rec.data_offset} ({rec.data_length} bytes) does not match the CRC "
+                f"{rec.data_crc32:08x} stored in its record"
+            ) from e
+
