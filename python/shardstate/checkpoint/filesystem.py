@@ -695,12 +695,7 @@ class FileSystemWriter(StorageWriter):
         ssio.atomic_publish(self._own_metadata_path(), data, fsync=self.sync_files)
 
     def storage_meta(self) -> StorageMeta | None:
-        sm = StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
-        if "torch" in sys.modules:
-            from torch.distributed.checkpoint.metadata import StorageMeta as TSM
-
-            return TSM(checkpoint_id=sm.checkpoint_id, save_id=sm.save_id)  # type: ignore[return-value]
-        return sm
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:
@@ -858,9 +853,12 @@ class FileSystemReader(StorageReader):
             raise StorageFormatError(f"{path} changed size while being read")
         md = _load_metadata(data, os.fspath(path))
         if getattr(md, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+            if _is_torch_metadata(md):
+                from torch.distributed.checkpoint.metadata import StorageMeta as TSM
 
-            md.storage_meta = TSM()
+                md.storage_meta = TSM()
+            else:
+                md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -955,19 +953,23 @@ class FileSystemReader(StorageReader):
         reqs = self._requests(plan)
         byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
         tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
-        for r in byte_reqs:
-            self._read_bytes(r, planner)
+        if byte_reqs:
+            self._read_bytes(byte_reqs, planner)
         if tensor_reqs:
             self._read_tensors(tensor_reqs, planner)
         return completed_future(None)
 
-    def _read_bytes(self, r: _Req, planner: Any) -> None:
-        buf = bytearray(r.info.length)
-        ssio.read([ssio.ReadJob(r.file.path, r.info.offset, buf)], threads=1)
-        record = bytes(buf)
-        if not self.unsafe_unpickle:
-            _check_bytes_record(record, r.where())
-        planner.load_bytes(r.item, io.BytesIO(record))
+    def _read_bytes(self, reqs: list[_Req], planner: Any) -> None:
+        """Reads every bytes item in one batch, checks each record (CRC-32s,
+        allowed globals) and hands it to ``planner.load_bytes``."""
+        bufs = [bytearray(r.info.length) for r in reqs]
+        ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b) for r, b in zip(reqs, bufs)],
+                  checksum=False)
+        for r, b in zip(reqs, bufs):
+            record = bytes(b)
+            if not self.unsafe_unpickle:
+                _check_bytes_record(record, r.where())
+            planner.load_bytes(r.item, io.BytesIO(record))
 
     def _chunk(self, index: Any) -> Any:
         """The saved chunk a storage index names, or None."""
