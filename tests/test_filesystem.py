@@ -436,3 +436,55 @@ def test_record_fast_path_agrees_with_parser(tmp_path):
             hits += 1
             assert fast == parsed, idx.fqn
     assert hits >= 15 and misses == 1
+
+
+class _Planner:
+    """The two LoadPlanner calls read_data makes for tensors."""
+
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.dest, self.committed = dest, 0
+
+    def resolve_tensor(self, item):
+        return self.dest
+
+    def commit_tensor(self, item, tensor):
+        assert tensor.data_ptr() == self.dest.data_ptr()
+        self.committed += 1
+
+
+def _read_region(path: Path, offsets, lengths, dest: torch.Tensor, **kw) -> _Planner:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader = FileSystemReader(path, **kw)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("w", (0, 0)),
+                    dest_offsets=torch.Size([0, 0]),
+                    storage_index=MetadataIndex("w", (0, 0), 0),
+                    storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))
+    planner = _Planner(dest)
+    reader.read_data(LoadPlan([item]), planner).wait()
+    return planner
+
+
+def test_partial_reads_are_checked_whole(tmp_path, monkeypatch):
+    w = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64)
+    dcp.save({"w": w}, storage_writer=FileSystemWriter(tmp_path))
+    monkeypatch.setattr(fs, "_PIECE", 1000)  # the unread rest in several pieces
+    # A slab along dim 0 lands straight in the destination; a box along
+    # dim 1 goes through scratch.
+    for offs, lens in (((3, 0), (4, 64)), ((39, 0), (1, 64)), ((0, 1), (40, 2)), ((5, 7), (1, 9))):
+        dest = torch.zeros(lens)
+        p = _read_region(tmp_path, offs, lens, dest)
+        assert p.committed == 1
+        assert torch.equal(dest, w[offs[0]:offs[0] + lens[0], offs[1]:offs[1] + lens[1]])
+    # Corrupt a row no region above reads: every read still sees it.
+    file, off, length = _record(tmp_path, "w")
+    from shardstate.checkpoint._zipfmt import parse_record
+    rec = parse_record(file.read_bytes()[off:off + length], base_offset=off)
+    _flip(file, rec.data_offset + 20 * 64 * 4 + 3)
+    for offs, lens in (((3, 0), (4, 64)), ((0, 1), (40, 2))):
+        _raised(ChecksumError, r"'w'.*offset", _read_region, tmp_path, offs, lens, torch.zeros(lens))
+        dest = torch.zeros(lens)
+        _read_region(tmp_path, offs, lens, dest, verify_checksums=False)
+        assert torch.equal(dest[:, :2], w[offs[0]:offs[0] + lens[0], offs[1]:offs[1] + 2])

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from .. import io as ssio
-from .._core import ChecksumError, ShardstateError
+from .._core import ChecksumError, ShardstateError, crc32_combine
 from ._zipfmt import (
     RecordFormatError,
     TensorRecordPlan,
@@ -81,6 +81,8 @@ CURRENT_DCP_VERSION = "1.0.0"
 _MAX_METADATA_BYTES = 4 << 30
 # Scratch memory a load may hold at once for items that cannot be read in place.
 _SCRATCH_BUDGET = 256 << 20
+# Pieces in which the unread rest of a partly read record is checksummed.
+_PIECE = 16 << 20
 
 
 class StorageFormatError(ShardstateError, ValueError):
@@ -1047,10 +1049,11 @@ class FileSystemReader(StorageReader):
         return infos
 
     def _read_tensors(self, reqs: list[_Req], planner: Any) -> None:
-        torch = _torch()
         infos = self._parse(reqs)
-        direct: list[tuple[_Req, Any, Any]] = []  # (req, record, destination)
-        staged: list[tuple[_Req, Any, Any]] = []
+        # (req, record, destination, (byte offset, byte count) in the record's
+        # data) for regions read straight into their destination.
+        direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
+        staged: list[tuple[_Req, _Rec, Any]] = []
         for r, rec in zip(reqs, infos):
             dest = planner.resolve_tensor(r.item).detach()
             lengths = tuple(int(n) for n in r.item.lengths)
@@ -1067,67 +1070,149 @@ class FileSystemReader(StorageReader):
                     f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
                     f"saved chunk of shape {rec.shape}"
                 )
-            whole = lengths == rec.shape and not any(offs)
-            in_place = (
-                whole
-                and rec.storage_offset == 0
-                and _contiguous(rec.shape, rec.stride)
-                and rec.data_length == dest.numel() * dest.element_size()
-                and dest.device.type == "cpu"
+            span = None
+            if (
+                dest.device.type == "cpu"
                 and str(dest.dtype) == f"torch.{rec.dtype}"
                 and dest.is_contiguous()
-            )
-            (direct if in_place else staged).append((r, rec, dest))
-
-        jobs = [
-            ssio.ReadJob(r.file.path, rec.data_offset, _region_bytes(dest),
-                         rec.data_crc32 if self.verify_checksums else None)
-            for r, rec, dest in direct
-            if rec.data_length
-        ]
-        self._run(jobs, [x for x in direct if x[1].data_length])
-        for r, _rec, dest in direct:
+            ):
+                span = _slab(rec, offs, lengths, dest.element_size())
+            if span is None:
+                staged.append((r, rec, dest))
+            else:
+                direct.append((r, rec, dest, span))
+        self._read_direct(direct)
+        for r, _rec, dest, _span in direct:
             planner.commit_tensor(r.item, dest)
+        self._read_staged(staged, planner)
 
-        # Items that need a copy: read each record's storage whole (so its
-        # CRC can be checked) into scratch, in batches of bounded size.
-        batch: list[tuple[_Req, Any, Any]] = []
-        used = 0
-        for x in staged + [None]:  # type: ignore[list-item]
-            if x is not None and (not batch or used + x[1].data_length <= _SCRATCH_BUDGET):
-                batch.append(x)
-                used += x[1].data_length
+    def _read_direct(self, items: list[tuple[_Req, _Rec, Any, tuple[int, int]]]) -> None:
+        """One batch reads every region straight into its destination. A
+        whole record's CRC is checked by the engine; for part of a record the
+        rest of it is read (in bounded pieces, checksummed only) and the
+        pieces' CRCs combined."""
+        items = [x for x in items if x[3][1]]
+        verify = self.verify_checksums
+        jobs, whole = [], []
+        for r, rec, dest, (start, count) in items:
+            is_whole = count == rec.data_length
+            whole.append(is_whole)
+            jobs.append(ssio.ReadJob(r.file.path, rec.data_offset + start, _region_bytes(dest),
+                                     rec.data_crc32 if verify and is_whole else None))
+        partial = verify and not all(whole)
+        crcs = self._run(jobs, [(r, rec) for r, rec, _d, _s in items], checksum=partial)
+        if not partial:
+            return
+        # The rest of each partly read record: (item, start, length) pieces.
+        rest: list[tuple[int, int, int]] = []
+        for i, (_r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i]:
                 continue
+            for a, b in ((0, start), (start + count, rec.data_length)):
+                for p in range(a, b, _PIECE):
+                    rest.append((i, p, min(_PIECE, b - p)))
+        piece_crc: dict[tuple[int, int], int] = {}
+        k = 0
+        while k < len(rest):
+            n, used = 0, 0
+            while k + n < len(rest) and (n == 0 or used + rest[k + n][2] <= _SCRATCH_BUDGET):
+                used += rest[k + n][2]
+                n += 1
+            scratch = np.empty(used, np.uint8)
+            batch, pos = [], 0
+            for i, p, ln in rest[k : k + n]:
+                r, rec = items[i][0], items[i][1]
+                batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p, scratch[pos : pos + ln]))
+                pos += ln
+            for (i, p, _ln), c in zip(rest[k : k + n], ssio.read(batch, checksum=True)):
+                piece_crc[(i, p)] = c
+            k += n
+        for i, (r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i]:
+                continue
+            acc = 0
+            for p in range(0, start, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, start - p))
+            acc = crc32_combine(acc, crcs[i], count)
+            end = start + count
+            for p in range(end, rec.data_length, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, rec.data_length - p))
+            if acc != rec.data_crc32:
+                raise ChecksumError(_crc_message(r, rec))
+
+    def _read_staged(self, items: list[tuple[_Req, _Rec, Any]], planner: Any) -> None:
+        """Items that need a copy (strided records or destinations, another
+        dtype or device): each record's storage is read whole (so its CRC is
+        checked) into scratch, in batches of bounded size, then copied."""
+        torch = _torch()
+        k = 0
+        while k < len(items):
+            n, used = 0, 0
+            while k + n < len(items) and (
+                n == 0 or used + items[k + n][1].data_length <= _SCRATCH_BUDGET
+            ):
+                used += items[k + n][1].data_length
+                n += 1
+            batch = items[k : k + n]
             scratch = [np.empty(rec.data_length, np.uint8) for _r, rec, _d in batch]
             jobs = [
                 ssio.ReadJob(r.file.path, rec.data_offset, s,
                              rec.data_crc32 if self.verify_checksums else None)
                 for (r, rec, _d), s in zip(batch, scratch)
+                if rec.data_length
             ]
-            self._run(jobs, batch)
+            self._run(jobs, [(r, rec) for r, rec, _d in batch if rec.data_length])
             for (r, rec, dest), s in zip(batch, scratch):
                 dt = getattr(torch, rec.dtype)
                 src = torch.from_numpy(s).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
                 src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
-                for d, (o, n) in enumerate(zip(r.item.storage_offsets, r.item.lengths)):
-                    src = src.narrow(d, int(o), int(n))
+                for d, (o, ln) in enumerate(zip(r.item.storage_offsets, r.item.lengths)):
+                    src = src.narrow(d, int(o), int(ln))
                 dest.copy_(src)
                 planner.commit_tensor(r.item, dest)
-            batch, used = ([x], x[1].data_length) if x is not None else ([], 0)
+            k += n
 
-    def _run(self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, Any, Any]]) -> None:
+    def _run(
+        self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False
+    ) -> list[int]:
         if not jobs:
-            return
+            return []
         try:
-            ssio.read(jobs, verify=self.verify_checksums, checksum=False)
+            return ssio.read(jobs, verify=self.verify_checksums, checksum=checksum)
         except ChecksumError as e:
             k = getattr(e, "job", None)
             if not isinstance(k, int) or not 0 <= k < len(reqs):
                 raise
-            r, rec, _ = reqs[k]
-            raise ChecksumError(
-                f"CRC-32 mismatch in {r.where()}: the tensor data at file offset "
-                f"{rec.data_offset} ({rec.data_length} bytes) does not match the CRC "
-                f"{rec.data_crc32:08x} stored in its record"
-            ) from e
+            raise ChecksumError(_crc_message(*reqs[k])) from e
 
+
+def _crc_message(r: _Req, rec: _Rec) -> str:
+    return (
+        f"CRC-32 mismatch in {r.where()}: the tensor data at file offset {rec.data_offset} "
+        f"({rec.data_length} bytes) does not match the CRC {rec.data_crc32:08x} stored in "
+        "its record"
+    )
+
+
+def _slab(
+    rec: _Rec, offs: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> tuple[int, int] | None:
+    """(byte offset, byte count) of the region ``offs``/``lengths`` inside a
+    record's data when the record is dense row-major and the region is one
+    contiguous range of it (the whole chunk, or a slab along its first
+    non-unit dimension); None otherwise."""
+    if rec.storage_offset or not _contiguous(rec.shape, rec.stride):
+        return None
+    d = len(rec.shape) - 1
+    while d >= 0 and offs[d] == 0 and lengths[d] == rec.shape[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    stride = _contig_stride(rec.shape)
+    count = 1
+    for n in lengths:
+        count *= n
+    start = sum(o * s for o, s in zip(offs, stride)) * itemsize
+    if start + count * itemsize > rec.data_length:
+        return None
+    return start, count * itemsize
