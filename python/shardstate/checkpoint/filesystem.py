@@ -9,17 +9,33 @@ per item otherwise, empty files included), items in the same order, each a
 classes, published last.
 
 Writing: every record of a rank is laid out up front (a record's header
-depends only on dtype and shape), then one ``shardstate.io.write`` batch
-writes all headers, tensor bytes (straight from the tensors' memory) and bytes
-items while computing each tensor's CRC-32; the small trailers, which hold the
-CRC, are written after it. ``finish`` publishes ``.metadata`` atomically.
+depends only on dtype and shape; plans are cached per shape), then one
+``shardstate.io.write`` batch writes all headers, tensor bytes (straight from
+the tensors' memory) and bytes items while computing each tensor's CRC-32;
+the small trailers, which hold the CRC, are then patched from a template and
+written with ``pwrite`` before each file is fsynced. ``finish`` publishes
+``.metadata`` atomically, last; with ``overwrite`` the old one is removed in
+``prepare_local_plan``, before any data file is touched.
 
 Reading: records are located through ``storage_data`` (paths confined to the
-checkpoint directory, every offset and length checked against the file),
-parsed without unpickling, and the tensor bytes read by one
-``shardstate.io.read`` batch straight into the destination tensors when the
-saved chunk maps onto them as one block, else into a scratch buffer and
-copied; the engine checks every record's CRC-32 as it reads.
+checkpoint directory, every offset and length checked against the file). A
+dense record is recognised by comparing its header and trailer with the ones
+we would write for the chunk the metadata describes; any other record is
+parsed strictly (``_zipfmt.parse_record``), through a read-only mapping of the
+file that touches only the header and trailer pages. Tensor bytes are read by
+one ``shardstate.io.read`` batch straight into the destination whenever the
+requested region is one contiguous range of a dense record and the
+destination is a contiguous CPU tensor of the same dtype; otherwise the
+record's storage is read into bounded scratch batches and copied. CRC-32s
+are checked by the engine as it reads; for a region that is only part of a
+record, the rest is read in bounded pieces for its CRC only and the CRCs are
+combined, so every record read is checked whole (``verify_checksums=False``
+skips all of it).
+
+Known limits: a data file truncated by someone else while it is mapped can
+raise SIGBUS; adjacent small reads are not coalesced (the engine runs them
+in parallel); CUDA tensors are copied to the CPU, all of a rank's at once,
+before the write batch.
 
 Stopgap (to be replaced by ``shardstate.checkpoint._pickle``): ``.metadata``
 is written with ``pickle`` only when it holds torch's own classes, and read
@@ -39,9 +55,9 @@ import mmap
 import os
 import pickle
 import stat
+import struct
 import sys
 import uuid
-import struct
 import warnings
 import zipfile
 import zlib
@@ -800,10 +816,13 @@ class _Req:
 class FileSystemReader(StorageReader):
     """Reads a DCP checkpoint directory written by torch 2.13 or by us.
 
-    Every record's CRC-32 is checked as it is read (``verify_checksums=False``
-    turns that off). Bytes items are handed to ``planner.load_bytes`` only
-    after their pickle has been checked against an allowlist, unless
-    ``unsafe_unpickle=True``. ``_extension_registry`` is accepted for
+    Every tensor record's CRC-32 is checked as it is read
+    (``verify_checksums=False`` turns that off). Bytes items are handed to
+    ``planner.load_bytes`` only after their entries' CRC-32s and their
+    pickle's globals (an allowlist: builtin containers, tensors, storages,
+    dtypes, sizes, NumPy arrays) have been checked, unless
+    ``unsafe_unpickle=True`` (torch's own reader loads them with
+    ``weights_only=False``, which runs any code they hold). ``_extension_registry`` is accepted for
     compatibility; records written with stream transforms raise
     NotImplementedError.
     """
