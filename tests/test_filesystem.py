@@ -488,3 +488,28 @@ def test_partial_reads_are_checked_whole(tmp_path, monkeypatch):
         dest = torch.zeros(lens)
         _read_region(tmp_path, offs, lens, dest, verify_checksums=False)
         assert torch.equal(dest[:, :2], w[offs[0]:offs[0] + lens[0], offs[1]:offs[1] + 2])
+
+
+def test_empty_files_match_torch(tmp_path):
+    # One tensor over three buckets: torch writes two empty files too.
+    sd = {"only": torch.ones(4)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "ours", thread_count=3))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "theirs", thread_count=3))
+    _compare_dirs(tmp_path / "ours", tmp_path / "theirs")
+    assert [(tmp_path / "ours" / f"__0_{n}.distcp").stat().st_size for n in (1, 2)] == [0, 0]
+
+
+def test_bytes_items_of_allowed_kinds(tmp_path):
+    import collections
+
+    import numpy as np
+
+    sd = {"np": np.arange(5, dtype=np.float32), "tup": (torch.ones(2), 3),
+          "misc": {"set": {1, 2}, "b": b"\x00\xff", "c": 1 + 2j,
+                   "od": (collections.OrderedDict(a=1),), "none": None, "path": Path("/x")}}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path))
+    out = {"np": None, "tup": None, "misc": {k: None for k in sd["misc"]}}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path))
+    assert np.array_equal(out["np"], sd["np"]) and out["np"].dtype == np.float32
+    assert torch.equal(out["tup"][0], torch.ones(2)) and out["tup"][1] == 3
+    assert out["misc"] == sd["misc"]

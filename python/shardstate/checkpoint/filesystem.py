@@ -212,6 +212,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import importlib
 
+        module, name = _py3_name(module, name)
         if module == _TORCH_MD and name in _MD_CLASSES:
             return getattr(importlib.import_module(module), name)
         if module == _TORCH_FS and name == "_StorageInfo":
@@ -318,11 +319,22 @@ class _Inert:
         pass
 
 
+def _py3_name(module: str, name: str) -> tuple[str, str]:
+    """Python 2 names in protocol < 3 pickles (``__builtin__.set``) mapped as
+    pickle's own find_class maps them."""
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class _CheckingUnpickler(pickle.Unpickler):
     """Walks a pickle with every allowed global replaced by an inert class:
     nothing is imported or called. Any other global raises."""
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = _py3_name(module, name)
         if not _allowed_bytes_global(module, name):
             raise pickle.UnpicklingError(
                 f"references {module}.{name}, which is not allowed in a checkpoint item "
