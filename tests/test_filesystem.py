@@ -385,6 +385,25 @@ def _save_both(rank: int, world_size: int, root: str) -> None:
     dist.barrier()
     if rank == 0:
         _compare_dirs(Path(root, "ours"), Path(root, "theirs"))
+    # Without collectives every rank writes its own __{rank}.metadata.
+    dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/ours_nc"), use_collectives=False)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(f"{root}/theirs_nc"), use_collectives=False)
+    dist.barrier()
+    if rank == 0:
+        a, b = Path(root, "ours_nc"), Path(root, "theirs_nc")
+        assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+        assert f"__{world_size - 1}.metadata" in os.listdir(a) and ".metadata" not in os.listdir(a)
+        for n in os.listdir(a):
+            if n.endswith(".distcp"):
+                assert (a / n).read_bytes() == (b / n).read_bytes(), n
+            else:
+                ma, mb = (pickle.loads((d / n).read_bytes()) for d in (a, b))
+                assert ma.state_dict_metadata == mb.state_dict_metadata, n
+                assert ma.storage_data == mb.storage_data, n
+    dist.barrier()
+    out = _zeroed(_dist_sd(world_size, 0))
+    dcp.load(out, storage_reader=FileSystemReader(f"{root}/ours_nc"))
+    _check(out)
     # Each reader loads each checkpoint into another placement.
     for src in ("ours", "theirs"):
         for reader in (FileSystemReader, dcp.FileSystemReader):
