@@ -1,0 +1,1249 @@
+"""``FileSystemWriter`` / ``FileSystemReader``: DCP checkpoints in a directory,
+with the bulk work done by the C I/O engine.
+
+The files are exactly those torch 2.13's ``FileSystemWriter`` writes for the
+same plan (docs/FORMAT.md): ``__{rank}_{n}.distcp`` data files split the same
+way (``thread_count`` buckets per rank with ``single_file_per_rank``, one file
+per item otherwise, empty files included), items in the same order, each a
+``torch.save`` zip record, and ``.metadata`` a pickle of torch's metadata
+classes, published last.
+
+Writing: every record of a rank is laid out up front (a record's header
+depends only on dtype and shape; plans are cached per shape), then one
+``shardstate.io.write`` batch writes all headers, tensor bytes (straight from
+the tensors' memory) and bytes items while computing each tensor's CRC-32;
+the small trailers, which hold the CRC, are then patched from a template and
+written with ``pwrite`` before each file is fsynced. ``finish`` publishes
+``.metadata`` atomically, last; with ``overwrite`` the old one is removed in
+``prepare_local_plan``, before any data file is touched.
+
+Reading: records are located through ``storage_data`` (paths confined to the
+checkpoint directory, every offset and length checked against the file). A
+dense record is recognised by comparing its header and trailer with the ones
+we would write for the chunk the metadata describes; any other record is
+parsed strictly (``_zipfmt.parse_record``), through a read-only mapping of the
+file that touches only the header and trailer pages. Tensor bytes are read by
+one ``shardstate.io.read`` batch straight into the destination whenever the
+requested region is one contiguous range of a dense record and the
+destination is a contiguous CPU tensor of the same dtype; otherwise the
+record's storage is read into bounded scratch batches and copied. CRC-32s
+are checked by the engine as it reads; for a region that is only part of a
+record, the rest is read in bounded pieces for its CRC only and the CRCs are
+combined, so every record read is checked whole (``verify_checksums=False``
+skips all of it).
+
+Known limits: a data file truncated by someone else while it is mapped can
+raise SIGBUS; adjacent small reads are not coalesced (the engine runs them
+in parallel); CUDA tensors are copied to the CPU, all of a rank's at once,
+before the write batch.
+
+Stopgap (to be replaced by ``shardstate.checkpoint._pickle``): ``.metadata``
+is written with ``pickle`` only when it holds torch's own classes, and read
+with a restricted unpickler that admits only the metadata classes, torch
+dtypes, ``torch.Size``, layouts and paths (``_load_metadata``).
+
+Thread safety: one reader or writer instance serves one save or load at a
+time, as in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import mmap
+import os
+import pickle
+import stat
+import struct
+import sys
+import uuid
+import warnings
+import zipfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import io as ssio
+from .._core import ChecksumError, ShardstateError, crc32_combine
+from ._zipfmt import (
+    RecordFormatError,
+    TensorRecordPlan,
+    _hash_combine,
+    parse_record,
+    plan_tensor_record,
+)
+from .metadata import StorageMeta, _StorageInfo
+from .planner import element_size
+from .storage import StorageReader, StorageWriter, WriteResult, completed_future
+
+__all__ = [
+    "FileSystemReader",
+    "FileSystemWriter",
+    "SerializationFormat",
+    "StorageFormatError",
+]
+
+_METADATA_FN = ".metadata"
+DEFAULT_SUFFIX = ".distcp"
+CURRENT_DCP_VERSION = "1.0.0"
+
+# A .metadata larger than this is refused before it is read.
+_MAX_METADATA_BYTES = 4 << 30
+# Scratch memory a load may hold at once for items that cannot be read in place.
+_SCRATCH_BUDGET = 256 << 20
+# Pieces in which the unread rest of a partly read record is checksummed.
+_PIECE = 16 << 20
+
+
+class StorageFormatError(ShardstateError, ValueError):
+    """A checkpoint's files or storage data are malformed or unsafe (a path
+    outside the directory, an item past the end of its file, a bad record)."""
+
+
+class SerializationFormat(Enum):
+    TORCH_SAVE = "torch_save"
+    SAFETENSORS = "safetensors"
+
+
+@dataclass
+class _StoragePrefix:
+    prefix: str
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+# --------------------------------------------------------------------------
+# .metadata (stopgap until shardstate.checkpoint._pickle lands)
+# --------------------------------------------------------------------------
+
+_TORCH_MD = "torch.distributed.checkpoint.metadata"
+_TORCH_FS = "torch.distributed.checkpoint.filesystem"
+
+
+def _is_torch_metadata(md: Any) -> bool:
+    return type(md).__module__ == _TORCH_MD
+
+
+def _to_torch_classes(md: Any) -> None:
+    """Swaps our _StorageInfo / StorageMeta in a torch Metadata for torch's
+    own, so it pickles under torch's class paths."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as TSI
+    from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+
+    sd = {}
+    for k, v in (md.storage_data or {}).items():
+        if isinstance(v, _StorageInfo):
+            v = TSI(v.relative_path, v.offset, v.length, v.transform_descriptors)
+        sd[k] = v
+    md.storage_data = sd
+    sm = md.storage_meta
+    if isinstance(sm, StorageMeta):
+        md.storage_meta = TSM(sm.checkpoint_id, sm.save_id, sm.load_id, list(sm.modules))
+
+
+def _dump_metadata(md: Any) -> bytes:
+    """The ``.metadata`` bytes for ``md``. STOPGAP: pickles torch's own
+    Metadata with ``pickle`` (as torch does); shardstate's torch-free
+    Metadata needs ``shardstate.checkpoint._pickle.dumps_metadata``."""
+    if _is_torch_metadata(md):
+        _to_torch_classes(md)
+        return pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)
+    try:
+        from ._pickle import dumps_metadata  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise NotImplementedError(
+            "writing shardstate's own Metadata needs shardstate.checkpoint._pickle "
+            "(not available yet); drive this writer with torch's Metadata"
+        ) from None
+    return bytes(dumps_metadata(md))
+
+
+_MD_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+}
+_PATHS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+_LAYOUTS = {"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
+            "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"}
+
+
+def _get_layout(name: object) -> Any:
+    """torch.serialization._get_layout, restricted to layout names."""
+    if type(name) is not str or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"_get_layout({name!r}) is not a torch layout")
+    layout = getattr(_torch(), name[len("torch."):], None)
+    if layout is None:
+        raise pickle.UnpicklingError(f"this torch has no layout {name}")
+    return layout
+
+
+def _torch_dtype(name: str) -> Any:
+    torch = _torch()
+    obj = getattr(torch, name, None)
+    if not isinstance(obj, torch.dtype):
+        raise pickle.UnpicklingError(f"torch.{name} is not a torch dtype")
+    return obj
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """STOPGAP restricted unpickler for ``.metadata`` (to be replaced by
+    ``shardstate.checkpoint._pickle.loads_metadata``): only torch's metadata
+    classes, ``_StorageInfo``, ``torch.Size``, torch dtypes, layouts (through
+    a checked ``_get_layout``), pathlib paths and ``collections.OrderedDict``
+    are admitted; anything else raises ``pickle.UnpicklingError`` naming it,
+    before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+
+        module, name = _py3_name(module, name)
+        if module == _TORCH_MD and name in _MD_CLASSES:
+            return getattr(importlib.import_module(module), name)
+        if module == _TORCH_FS and name == "_StorageInfo":
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and name == "Size":
+            return _torch().Size
+        if module == "torch":
+            return _torch_dtype(name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return _get_layout
+        if module == "pathlib" and name in _PATHS:
+            import pathlib
+
+            return getattr(pathlib, name)
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(
+            f".metadata references {module}.{name}, which is not allowed in checkpoint metadata"
+        )
+
+
+def _load_metadata(data: bytes, path: str = _METADATA_FN) -> Any:
+    """Restricted load of ``.metadata`` (STOPGAP, see _MetadataUnpickler)."""
+    try:
+        from ._pickle import loads_metadata  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        loads_metadata = None
+    if loads_metadata is not None:
+        return loads_metadata(data)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise StorageFormatError(f"{path}: refused or malformed checkpoint metadata: {e}") from e
+    if type(md).__name__ != "Metadata" or type(md).__module__ != _TORCH_MD:
+        raise StorageFormatError(f"{path}: holds a {type(md).__name__}, not a Metadata")
+    return md
+
+
+# --------------------------------------------------------------------------
+# Bytes items: restricted check of a record's pickle before it is loaded
+# --------------------------------------------------------------------------
+
+_BYTES_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("builtins", "range"),
+    ("_codecs", "encode"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+} | {("pathlib", n) for n in _PATHS}
+
+
+def _allowed_bytes_global(module: str, name: str) -> bool:
+    if (module, name) in _BYTES_GLOBALS:
+        return True
+    if module == "torch" and (name.endswith("Storage") or name.isidentifier()):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            obj = getattr(torch, name, None)
+            return isinstance(obj, torch.dtype) or (
+                name.endswith("Storage") and isinstance(obj, type)
+            )
+    if module == "numpy.dtypes" and name.endswith("DType"):
+        return True
+    return False
+
+
+class _Inert:
+    """Stands for every object a checked pickle builds; accepts any state."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, v: Any) -> None:
+        pass
+
+    def extend(self, v: Any) -> None:
+        pass
+
+
+def _py3_name(module: str, name: str) -> tuple[str, str]:
+    """Python 2 names in protocol < 3 pickles (``__builtin__.set``) mapped as
+    pickle's own find_class maps them."""
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    """Walks a pickle with every allowed global replaced by an inert class:
+    nothing is imported or called. Any other global raises."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        module, name = _py3_name(module, name)
+        if not _allowed_bytes_global(module, name):
+            raise pickle.UnpicklingError(
+                f"references {module}.{name}, which is not allowed in a checkpoint item "
+                "(pass unsafe_unpickle=True to FileSystemReader to load it anyway)"
+            )
+        return type(name, (_Inert,), {})
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Inert()
+
+
+def _check_bytes_record(record: bytes, where: str) -> None:
+    """Checks a bytes item (a torch.save zip): every entry's CRC-32 and the
+    globals its data.pkl uses. Raises ChecksumError or StorageFormatError."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(record))
+        names = zf.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise StorageFormatError(f"{where}: bytes item has no single data.pkl")
+        for n in names:
+            zf.read(n)  # zipfile checks each entry's CRC-32
+        data = zf.read(pkl[0])
+    except zipfile.BadZipFile as e:
+        if "CRC" in str(e):
+            raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
+        raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
+    try:
+        _CheckingUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any failure of the walk means "not admitted"
+        raise StorageFormatError(f"{where}: bytes item refused: {e}") from e
+
+
+# --------------------------------------------------------------------------
+# Writer
+# --------------------------------------------------------------------------
+
+
+def _item_size(item: Any) -> int:
+    td = item.tensor_data
+    n = 1
+    for s in td.size:
+        n *= int(s)
+    return n * element_size(td.properties.dtype)
+
+
+def _is_bytes_item(item: Any) -> bool:
+    return item.type.name == "BYTE_IO"
+
+
+def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
+    """torch's bucketing of a rank's items into ``bins`` files: bytes items
+    round-robin, tensors largest first into the lightest bucket."""
+    if bins == 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for i, wi in enumerate(w for w in items if _is_bytes_item(w)):
+        buckets[i % bins].append(wi)
+    for wi in sorted((w for w in items if not _is_bytes_item(w)), key=_item_size, reverse=True):
+        idx = min(range(bins), key=sizes.__getitem__)
+        buckets[idx].append(wi)
+        sizes[idx] += _item_size(wi)
+    return buckets
+
+
+def _storage_bytes(t: Any) -> np.ndarray:
+    """A zero-copy uint8 view of a CPU tensor's whole storage."""
+    torch = _torch()
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+
+
+def _region_bytes(t: Any) -> np.ndarray:
+    """A writable zero-copy uint8 view of a contiguous CPU tensor's elements."""
+    return t.reshape(-1).view(_torch().uint8).numpy()
+
+
+def _prepare_tensor(t: Any) -> Any:
+    """The tensor torch's DCP writer would torch.save for ``t``: detached, on
+    the CPU, cloned when its storage holds more than its own bytes."""
+    torch = _torch()
+    t = t.detach()
+    if t.layout != torch.strided:
+        raise NotImplementedError(f"saving a {t.layout} tensor is not supported")
+    t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        # torch.save would record the bit; we store the resolved values.
+        t = t.resolve_conj().resolve_neg()
+    if t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()
+    if t.storage_offset() != 0:  # overlapping strides over an exact storage
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+class _Trailer:
+    """``plan.trailer(crc)`` in a few microseconds: the trailer for CRC 0 with
+    the five CRC-dependent fields patched (data/0's descriptor and directory
+    CRC, the serialization id's CRC hash, and that entry's descriptor and
+    directory CRC; docs/FORMAT.md 3.4, 3.7, 3.9). Checked against
+    ``plan.trailer`` when built; falls back to it if the layout differs."""
+
+    def __init__(self, plan: TensorRecordPlan) -> None:
+        self.plan = plan
+        self.template = plan.trailer(0)
+        self.fast = False
+        if plan.data_length == 0:  # an empty data/0 carries no CRC at all
+            self.fast = True
+            return
+        try:
+            self._locate()
+            probe = 0x9E3779B9
+            self.fast = self._patch(probe) == plan.trailer(probe)
+        except (ValueError, IndexError, struct.error):
+            self.fast = False
+
+    def _locate(self) -> None:
+        t = self.template
+        # CRCs folded into the id, in write order; None marks data/0's.
+        self.crcs: list[int | None] = []
+        for _name, payload in self.plan._records:
+            if isinstance(payload, int):
+                self.crcs.append(None)
+            elif payload:
+                self.crcs.append(zlib.crc32(payload))
+        half = self._crc_half(0)
+        self.sid_at = t.index(half) - 20
+        if t.count(half) != 1 or self.sid_at < 0 or t[:4] != b"PK\x07\x08":
+            raise ValueError("unexpected trailer layout")
+        if t[self.sid_at + 40 : self.sid_at + 44] != b"PK\x07\x08":
+            raise ValueError("unexpected serialization id descriptor")
+        self.cd_data = t.index(b"archive/data/0") - 46 + 16
+        self.cd_sid = t.rindex(b"archive/.data/serialization_id") - 46 + 16
+
+    def _crc_half(self, crc: int) -> bytes:
+        """The id's last 20 digits: a hash of the entries' CRCs."""
+        hc = 0
+        for c in self.crcs:
+            hc = _hash_combine(hc, crc if c is None else c)
+        return b"%020d" % hc
+
+    def _patch(self, crc: int) -> bytes:
+        t = bytearray(self.template)
+        struct.pack_into("<I", t, 4, crc)
+        struct.pack_into("<I", t, self.cd_data, crc)
+        t[self.sid_at + 20 : self.sid_at + 40] = self._crc_half(crc)
+        sid_crc = zlib.crc32(t[self.sid_at : self.sid_at + 40])
+        struct.pack_into("<I", t, self.sid_at + 44, sid_crc)
+        struct.pack_into("<I", t, self.cd_sid, sid_crc)
+        return bytes(t)
+
+    def __call__(self, crc: int) -> bytes:
+        if self.plan.data_length == 0:
+            return self.template
+        return self._patch(crc) if self.fast else self.plan.trailer(crc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _record_plan(
+    dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None, numel: int
+) -> tuple[TensorRecordPlan, _Trailer]:
+    """A tensor record's plan and its trailer maker, cached: optimizer states
+    repeat the parameters' shapes."""
+    plan = plan_tensor_record(dtype, shape, stride, numel)
+    return plan, _Trailer(plan)
+
+
+def _uses_overlapping_loader(thread_count: int, copy_ahead: int) -> bool:
+    """torch orders a file's tensors by size (its _OverlappingCpuLoader) only
+    with one thread, an accelerator present and copy-ahead on."""
+    if thread_count != 1 or copy_ahead <= 0:
+        return False
+    torch = _torch()
+    if torch.cuda.is_available():
+        return True
+    name = torch._C._get_privateuse1_backend_name()
+    mod = getattr(torch, name, None)
+    return bool(mod and mod.is_available())
+
+
+@dataclass
+class _PendingTrailer:
+    path: str
+    offset: int
+    trailer: _Trailer
+    job: int  # index of the data job in the batch
+
+
+class FileSystemWriter(StorageWriter):
+    """Writes a DCP checkpoint directory, byte-identical to torch 2.13's
+    ``FileSystemWriter`` with the same options.
+
+    ``thread_count`` sets how many files each rank writes (as in torch); the
+    I/O itself always runs on the engine's thread pool. ``per_thread_copy_ahead``
+    only matters for torch's item order when an accelerator is present, and
+    is honoured for that. ``cache_staged_state_dict`` is accepted for
+    compatibility; staging belongs to ``async_save``. ``_extensions`` (stream
+    transforms) and ``SerializationFormat.SAFETENSORS`` raise
+    NotImplementedError.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = SerializationFormat.TORCH_SAVE,
+    ) -> None:
+        super().__init__()
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        if _extensions:
+            raise NotImplementedError(
+                "FileSystemWriter(_extensions=...) stream transforms are not supported"
+            )
+        if getattr(serialization_format, "value", serialization_format) != "torch_save":
+            raise NotImplementedError(
+                f"serialization_format={serialization_format!r} is not supported; "
+                "only SerializationFormat.TORCH_SAVE"
+            )
+        self.path = Path(path)
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.overwrite = overwrite
+        self.serialization_format = serialization_format
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (_METADATA_FN if rank is None else f"__{rank}{_METADATA_FN}")
+
+    def _own_metadata_path(self) -> Path:
+        if not self.use_collectives and self.rank is not None:
+            return self._metadata_path(self.rank)
+        return self._metadata_path()
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        self.path.mkdir(parents=True, exist_ok=True)
+        probe = self._metadata_path(None if self.use_collectives else 0)
+        if probe.exists():
+            if not self.overwrite:
+                raise RuntimeError(
+                    f"Checkpoint already exists in {self.path} ({probe.name}) and overwrite=False."
+                )
+            warnings.warn(
+                f"Detected an existing checkpoint in {self.path}, overwriting since "
+                "overwrite=True.",
+                stacklevel=2,
+            )
+        # Remove our old .metadata before any data file is touched, so it never
+        # describes new, partial data. Other ranks write only after the global
+        # plan, which needs this (the coordinator's) local plan first.
+        if self.is_coordinator or not self.use_collectives:
+            own = self._own_metadata_path()
+            try:
+                own.unlink()
+            except FileNotFoundError:
+                pass
+            else:
+                _fsync_dir(self.path)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [
+            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+            if p.storage_data is None
+            else p
+            for i, p in enumerate(plans)
+        ]
+
+    def _files(self, plan: Any) -> list[tuple[str, list[Any]]]:
+        prefix = plan.storage_data.prefix
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
+        else:
+            buckets = [[item] for item in plan.items]
+        return [(f"{prefix}{n}{DEFAULT_SUFFIX}", b) for n, b in enumerate(buckets)]
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        reorder = _uses_overlapping_loader(self.thread_count, self.per_thread_copy_ahead)
+        jobs: list[ssio.WriteJob] = []
+        trailers: list[_PendingTrailer] = []
+        results: list[WriteResult] = []
+        empty_files: list[str] = []
+        keep: list[Any] = []  # tensors whose memory the jobs point into
+        for name, items in self._files(plan):
+            path = os.fspath(self.path / name)
+            byte_items = [w for w in items if _is_bytes_item(w)]
+            tensor_items = [w for w in items if not _is_bytes_item(w)]
+            if reorder:
+                tensor_items.sort(key=_item_size)
+            if not items:
+                empty_files.append(path)
+            cursor = 0
+            for item in byte_items:
+                data = planner.resolve_data(item)
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                jobs.append(ssio.WriteJob(path, cursor, buf))
+                results.append(_result(item, name, cursor, buf.nbytes))
+                cursor += buf.nbytes
+            for item in tensor_items:
+                t = _prepare_tensor(planner.resolve_data(item))
+                keep.append(t)
+                rec, trailer = _record_plan(
+                    str(t.dtype), tuple(t.shape), tuple(t.stride()),
+                    t.untyped_storage().nbytes() // t.element_size(),
+                )
+                jobs.append(ssio.WriteJob(path, cursor, rec.header))
+                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, _storage_bytes(t)))
+                trailers.append(
+                    _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, trailer,
+                                    len(jobs) - 1)
+                )
+                length = rec.data_offset + rec.data_length + len(trailer.template)
+                results.append(_result(item, name, cursor, length))
+                cursor += length
+        crcs = ssio.write(jobs, fsync=False, checksum=True) if jobs else []
+        del keep
+        written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
+        self._finish_files(written, trailers, crcs, empty_files)
+        return completed_future(results)
+
+    def _finish_files(
+        self,
+        written: list[str],
+        trailers: list[_PendingTrailer],
+        crcs: list[int],
+        empty_files: list[str],
+    ) -> None:
+        """Writes each tensor record's trailer (it holds the data's CRC),
+        creates the empty files torch creates, and fsyncs every file."""
+        by_path: dict[str, list[_PendingTrailer]] = {p: [] for p in written}
+        for tr in trailers:
+            by_path[tr.path].append(tr)
+        for path in empty_files:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            try:
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        for path, trs in by_path.items():
+            if not trs and not self.sync_files:
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                for tr in trs:
+                    data = tr.trailer(crcs[tr.job])
+                    n = os.pwrite(fd, data, tr.offset)
+                    while n < len(data):
+                        n += os.pwrite(fd, data[n:], tr.offset + n)
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        data = _dump_metadata(metadata)
+        ssio.atomic_publish(self._own_metadata_path(), data, fsync=self.sync_files)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+
+def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length,
+                       storage_data=_StorageInfo(name, offset, length))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _validate_checkpoint_id(checkpoint_id: str | os.PathLike) -> bool:
+    if isinstance(checkpoint_id, Path):
+        return True
+    if "://" in str(checkpoint_id):
+        return False
+    return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+
+
+# --------------------------------------------------------------------------
+# Reader
+# --------------------------------------------------------------------------
+
+
+def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    acc = 1
+    for n, s in zip(reversed(shape), reversed(stride)):
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def _contig_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class _Rec:
+    """Where a tensor record's storage bytes are, and how to view them."""
+
+    dtype: str  # torch attribute name, e.g. "float32"
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    data_offset: int  # absolute, in the file
+    data_length: int
+    data_crc32: int
+
+
+def _parsed(mm: mmap.mmap, r: _Req) -> _Rec:
+    view = memoryview(mm)[r.info.offset : r.info.offset + r.info.length]
+    try:
+        p = parse_record(view, base_offset=r.info.offset)
+    except RecordFormatError as e:
+        raise StorageFormatError(f"{r.where()}: {e}") from None
+    finally:
+        view.release()
+    return _Rec(p.dtype, p.shape, p.stride, p.storage_offset, p.data_offset, p.data_length,
+                p.data_crc32)
+
+
+@dataclass
+class _File:
+    rel: str
+    path: str
+    size: int
+
+
+@dataclass
+class _Req:
+    item: Any
+    info: Any  # _StorageInfo (ours or torch's)
+    file: _File
+
+    @property
+    def key(self) -> str:
+        return str(self.item.dest_index.fqn)
+
+    def where(self) -> str:
+        return f"item {self.key!r} in {self.file.path} at offset {self.info.offset}"
+
+
+class FileSystemReader(StorageReader):
+    """Reads a DCP checkpoint directory written by torch 2.13 or by us.
+
+    Every tensor record's CRC-32 is checked as it is read
+    (``verify_checksums=False`` turns that off). Bytes items are handed to
+    ``planner.load_bytes`` only after their entries' CRC-32s and their
+    pickle's globals (an allowlist: builtin containers, tensors, storages,
+    dtypes, sizes, NumPy arrays) have been checked, unless
+    ``unsafe_unpickle=True`` (torch's own reader loads them with
+    ``weights_only=False``, which runs any code they hold). ``_extension_registry`` is accepted for
+    compatibility; records written with stream transforms raise
+    NotImplementedError.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        _extension_registry: Any | None = None,
+        *,
+        verify_checksums: bool = True,
+        unsafe_unpickle: bool = False,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.verify_checksums = verify_checksums
+        self.unsafe_unpickle = unsafe_unpickle
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (_METADATA_FN if rank is None else f"__{rank}{_METADATA_FN}")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._metadata_path(kwargs.get("rank"))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no checkpoint metadata at {path} (incomplete or missing checkpoint)"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageFormatError(f"{path} is not a regular file")
+            if not 0 < st.st_size <= _MAX_METADATA_BYTES:
+                raise StorageFormatError(
+                    f"{path} is {st.st_size} bytes, expected 1..{_MAX_METADATA_BYTES}"
+                )
+            data = f.read(st.st_size + 1)
+        if len(data) != st.st_size:
+            raise StorageFormatError(f"{path} changed size while being read")
+        md = _load_metadata(data, os.fspath(path))
+        if getattr(md, "storage_meta", None) is None:
+            if _is_torch_metadata(md):
+                from torch.distributed.checkpoint.metadata import StorageMeta as TSM
+
+                md.storage_meta = TSM()
+            else:
+                md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+        self._metadata = metadata
+        self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        if self.storage_data is None:
+            raise StorageFormatError(f"{self.path}: metadata has no storage_data")
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+    # ---- locating records ----
+
+    def _open_file(self, rel: object, files: dict[str, _File]) -> _File:
+        if type(rel) is not str:
+            raise StorageFormatError(f"{self.path}: storage path {rel!r} is not a string")
+        f = files.get(rel)
+        if f is not None:
+            return f
+        parts = rel.replace("\\", "/").split("/")
+        if not rel or "\0" in rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} is not a plain relative path inside the "
+                "checkpoint directory"
+            )
+        root = os.path.realpath(self.path)
+        full = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([root, full]) != root:
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} resolves to {full}, outside the checkpoint"
+            )
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint data file {full} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageFormatError(f"checkpoint data file {full} is not a regular file")
+        f = files[rel] = _File(rel, full, st.st_size)
+        return f
+
+    def _requests(self, plan: Any) -> list[_Req]:
+        files: dict[str, _File] = {}
+        reqs = []
+        for item in plan.items:
+            try:
+                info = self.storage_data[item.storage_index]
+            except KeyError:
+                raise StorageFormatError(
+                    f"{self.path}: no storage entry for {item.storage_index}"
+                ) from None
+            if getattr(info, "transform_descriptors", None):
+                raise NotImplementedError(
+                    f"item {item.storage_index.fqn!r} was written with stream transforms "
+                    f"{list(info.transform_descriptors)}, which are not supported"
+                )
+            f = self._open_file(info.relative_path, files)
+            off, n = info.offset, info.length
+            if type(off) is not int or type(n) is not int or off < 0 or n <= 0:
+                raise StorageFormatError(
+                    f"{self.path}: item {item.storage_index.fqn!r} has offset {off!r} and "
+                    f"length {n!r} in {f.rel}"
+                )
+            if off + n > f.size:
+                raise StorageFormatError(
+                    f"item {item.storage_index.fqn!r}: [{off}, {off + n}) runs past the end of "
+                    f"{f.path} ({f.size} bytes)"
+                )
+            reqs.append(_Req(item, info, f))
+        reqs.sort(key=lambda r: (r.file.path, r.info.offset))
+        return reqs
+
+    # ---- reading ----
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        reqs = self._requests(plan)
+        byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
+        tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
+        if byte_reqs:
+            self._read_bytes(byte_reqs, planner)
+        if tensor_reqs:
+            self._read_tensors(tensor_reqs, planner)
+        return completed_future(None)
+
+    def _read_bytes(self, reqs: list[_Req], planner: Any) -> None:
+        """Reads every bytes item in one batch, checks each record (CRC-32s,
+        allowed globals) and hands it to ``planner.load_bytes``."""
+        bufs = [bytearray(r.info.length) for r in reqs]
+        ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b) for r, b in zip(reqs, bufs)],
+                  checksum=False)
+        for r, b in zip(reqs, bufs):
+            record = bytes(b)
+            if not self.unsafe_unpickle:
+                _check_bytes_record(record, r.where())
+            planner.load_bytes(r.item, io.BytesIO(record))
+
+    def _chunk(self, index: Any) -> Any:
+        """The saved chunk a storage index names, or None."""
+        md = getattr(self, "_metadata", None)
+        tmd = None if md is None else md.state_dict_metadata.get(index.fqn)
+        chunks = getattr(tmd, "chunks", None)
+        if not chunks or index.offset is None:
+            return None
+        want = tuple(index.offset)
+        i = index.index
+        if isinstance(i, int) and 0 <= i < len(chunks) and tuple(chunks[i].offsets) == want:
+            return tmd, chunks[i]
+        by_offset = self._chunk_maps.get(index.fqn)
+        if by_offset is None:
+            by_offset = self._chunk_maps[index.fqn] = {tuple(c.offsets): c for c in chunks}
+        c = by_offset.get(want)
+        return None if c is None else (tmd, c)
+
+    def _expected(self, mm: mmap.mmap, r: _Req) -> _Rec | None:
+        """The record, if it is byte for byte the contiguous record the
+        metadata predicts (what torch and we write for a dense tensor):
+        checked by comparing its header and trailer with our own, which is
+        stricter than parsing and costs microseconds. None otherwise."""
+        found = self._chunk(r.item.storage_index)
+        if found is None:
+            return None
+        tmd, chunk = found
+        shape = tuple(int(n) for n in chunk.sizes)
+        numel = 1
+        for n in shape:
+            numel *= n
+        dtype = str(tmd.properties.dtype)
+        try:
+            plan, trailer = _record_plan(dtype, shape, None, numel)
+        except (RecordFormatError, ValueError):
+            return None
+        off, dofs, dlen = r.info.offset, plan.data_offset, plan.data_length
+        if dofs + dlen + len(trailer.template) != r.info.length:
+            return None
+        if mm[off : off + dofs] != plan.header:
+            return None
+        tail = mm[off + dofs + dlen : off + r.info.length]
+        crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
+        if tail != trailer(crc):
+            return None
+        return _Rec(dtype.removeprefix("torch."), shape, _contig_stride(shape), 0,
+                    off + dofs, dlen, crc)
+
+    def _parse(self, reqs: list[_Req]) -> list[_Rec]:
+        """Locates each tensor record's data through a read-only mapping of
+        its file (only the pages holding headers and trailers are touched)."""
+        infos: list[_Rec] = []
+        i = 0
+        while i < len(reqs):
+            f = reqs[i].file
+            j = i
+            while j < len(reqs) and reqs[j].file is f:
+                j += 1
+            with open(f.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < f.size:
+                    raise StorageFormatError(f"{f.path} shrank while being read")
+                mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
+            try:
+                for r in reqs[i:j]:
+                    rec = self._expected(mm, r)
+                    if rec is None:
+                        rec = _parsed(mm, r)
+                    infos.append(rec)
+            finally:
+                try:
+                    mm.close()
+                except BufferError:  # a traceback still holds a view; GC closes it
+                    pass
+            i = j
+        return infos
+
+    def _read_tensors(self, reqs: list[_Req], planner: Any) -> None:
+        infos = self._parse(reqs)
+        # (req, record, destination, (byte offset, byte count) in the record's
+        # data) for regions read straight into their destination.
+        direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
+        staged: list[tuple[_Req, _Rec, Any]] = []
+        for r, rec in zip(reqs, infos):
+            dest = planner.resolve_tensor(r.item).detach()
+            lengths = tuple(int(n) for n in r.item.lengths)
+            offs = tuple(int(o) for o in r.item.storage_offsets)
+            if tuple(dest.shape) != lengths:
+                raise StorageFormatError(
+                    f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
+                    f"{lengths}"
+                )
+            if len(offs) != len(rec.shape) or any(
+                o + n > s for o, n, s in zip(offs, lengths, rec.shape)
+            ):
+                raise StorageFormatError(
+                    f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
+                    f"saved chunk of shape {rec.shape}"
+                )
+            span = None
+            if (
+                dest.device.type == "cpu"
+                and str(dest.dtype) == f"torch.{rec.dtype}"
+                and dest.is_contiguous()
+            ):
+                span = _slab(rec, offs, lengths, dest.element_size())
+            if span is None:
+                staged.append((r, rec, dest))
+            else:
+                direct.append((r, rec, dest, span))
+        self._read_direct(direct)
+        for r, _rec, dest, _span in direct:
+            planner.commit_tensor(r.item, dest)
+        self._read_staged(staged, planner)
+
+    def _read_direct(self, items: list[tuple[_Req, _Rec, Any, tuple[int, int]]]) -> None:
+        """One batch reads every region straight into its destination. A
+        whole record's CRC is checked by the engine; for part of a record the
+        rest of it is read (in bounded pieces, checksummed only) and the
+        pieces' CRCs combined."""
+        items = [x for x in items if x[3][1]]
+        verify = self.verify_checksums
+        jobs, whole = [], []
+        for r, rec, dest, (start, count) in items:
+            is_whole = count == rec.data_length
+            whole.append(is_whole)
+            jobs.append(ssio.ReadJob(r.file.path, rec.data_offset + start, _region_bytes(dest),
+                                     rec.data_crc32 if verify and is_whole else None))
+        partial = verify and not all(whole)
+        crcs = self._run(jobs, [(r, rec) for r, rec, _d, _s in items], checksum=partial)
+        if not partial:
+            return
+        # The rest of each partly read record: (item, start, length) pieces.
+        rest: list[tuple[int, int, int]] = []
+        for i, (_r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i]:
+                continue
+            for a, b in ((0, start), (start + count, rec.data_length)):
+                for p in range(a, b, _PIECE):
+                    rest.append((i, p, min(_PIECE, b - p)))
+        piece_crc: dict[tuple[int, int], int] = {}
+        k = 0
+        while k < len(rest):
+            n, used = 0, 0
+            while k + n < len(rest) and (n == 0 or used + rest[k + n][2] <= _SCRATCH_BUDGET):
+                used += rest[k + n][2]
+                n += 1
+            scratch = np.empty(used, np.uint8)
+            batch, pos = [], 0
+            for i, p, ln in rest[k : k + n]:
+                r, rec = items[i][0], items[i][1]
+                batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p, scratch[pos : pos + ln]))
+                pos += ln
+            for (i, p, _ln), c in zip(rest[k : k + n], ssio.read(batch, checksum=True)):
+                piece_crc[(i, p)] = c
+            k += n
+        for i, (r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i]:
+                continue
+            acc = 0
+            for p in range(0, start, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, start - p))
+            acc = crc32_combine(acc, crcs[i], count)
+            end = start + count
+            for p in range(end, rec.data_length, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, rec.data_length - p))
+            if acc != rec.data_crc32:
+                raise ChecksumError(_crc_message(r, rec))
+
+    def _read_staged(self, items: list[tuple[_Req, _Rec, Any]], planner: Any) -> None:
+        """Items that need a copy (strided records or destinations, another
+        dtype or device): each record's storage is read whole (so its CRC is
+        checked) into scratch, in batches of bounded size, then copied."""
+        torch = _torch()
+        k = 0
+        while k < len(items):
+            n, used = 0, 0
+            while k + n < len(items) and (
+                n == 0 or used + items[k + n][1].data_length <= _SCRATCH_BUDGET
+            ):
+                used += items[k + n][1].data_length
+                n += 1
+            batch = items[k : k + n]
+            scratch = [np.empty(rec.data_length, np.uint8) for _r, rec, _d in batch]
+            jobs = [
+                ssio.ReadJob(r.file.path, rec.data_offset, s,
+                             rec.data_crc32 if self.verify_checksums else None)
+                for (r, rec, _d), s in zip(batch, scratch)
+                if rec.data_length
+            ]
+            self._run(jobs, [(r, rec) for r, rec, _d in batch if rec.data_length])
+            for (r, rec, dest), s in zip(batch, scratch):
+                dt = getattr(torch, rec.dtype)
+                src = torch.from_numpy(s).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
+                src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
+                for d, (o, ln) in enumerate(zip(r.item.storage_offsets, r.item.lengths)):
+                    src = src.narrow(d, int(o), int(ln))
+                dest.copy_(src)
+                planner.commit_tensor(r.item, dest)
+            k += n
+
+    def _run(
+        self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False
+    ) -> list[int]:
+        if not jobs:
+            return []
+        try:
+            return ssio.read(jobs, verify=self.verify_checksums, checksum=checksum)
+        except ChecksumError as e:
+            k = getattr(e, "job", None)
+            if not isinstance(k, int) or not 0 <= k < len(reqs):
+                raise
+            raise ChecksumError(_crc_message(*reqs[k])) from e
+
+
+def _crc_message(r: _Req, rec: _Rec) -> str:
+    return (
+        f"CRC-32 mismatch in {r.where()}: the tensor data at file offset {rec.data_offset} "
+        f"({rec.data_length} bytes) does not match the CRC {rec.data_crc32:08x} stored in "
+        "its record"
+    )
+
+
+def _slab(
+    rec: _Rec, offs: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> tuple[int, int] | None:
+    """(byte offset, byte count) of the region ``offs``/``lengths`` inside a
+    record's data when the record is dense row-major and the region is one
+    contiguous range of it (the whole chunk, or a slab along its first
+    non-unit dimension); None otherwise."""
+    if rec.storage_offset or not _contiguous(rec.shape, rec.stride):
+        return None
+    d = len(rec.shape) - 1
+    while d >= 0 and offs[d] == 0 and lengths[d] == rec.shape[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    stride = _contig_stride(rec.shape)
+    count = 1
+    for n in lengths:
+        count *= n
+    start = sum(o * s for o, s in zip(offs, stride)) * itemsize
+    if start + count * itemsize > rec.data_length:
+        return None
+    return start, count * itemsize
