@@ -510,6 +510,11 @@ def test_structure_is_validated() -> None:
     deep = b"\x80\x02" + b"]" * 300 + b"a" * 299 + b"."
     with pytest.raises(PickleFormatError, match="deeper"):
         loads_object(P._zipfmt.bytes_record(deep))
+    # Metadata nested in planner_data, 5000 deep: refused, no RecursionError
+    level = (_g(P._MD_MOD, "Metadata") + b")\x81}" + _s("state_dict_metadata") + b"}s"
+             + _s("planner_data"))
+    with pytest.raises(PickleFormatError, match="deeper"):
+        loads_metadata(b"\x80\x02" + level * 5000 + b"N" + b"sb" * 5000 + b".")
 
 
 def test_truncated_and_garbage(saved: Path) -> None:

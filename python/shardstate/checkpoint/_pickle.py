@@ -873,21 +873,21 @@ class _Builder:
             self.done[id(v)] = got
         return got
 
-    def value(self, v: Any, depth: int = 0) -> Any:
+    def value(self, v: Any, _unused: int = 0) -> Any:
         """Plain values, torch names and metadata objects; exact types only."""
         t = type(v)
         if v is None or t in (bool, int, float, complex, str, bytes):
             return v
-        if depth > _MAX_DEPTH:
-            raise self.fail(f"values nest deeper than {_MAX_DEPTH}")
         key = id(v)
         if key in self.done:
             return self.done[key]
         if key in self.active:
             raise self.fail("a value contains itself")
+        if len(self.active) >= _MAX_DEPTH:
+            raise self.fail(f"values nest deeper than {_MAX_DEPTH}")
         self.active.add(key)
         try:
-            out = self._value(v, t, depth + 1)
+            out = self._value(v, t, 0)
         finally:
             self.active.discard(key)
         self.done[key] = out
@@ -957,6 +957,8 @@ class _Builder:
         return {k: v for k, v in st.items() if k in fields}
 
     def obj(self, p: _ObjProxy) -> Any:
+        if type(p) is not _PROXIES.get(p.qualname.rsplit(".", 1)[1]):
+            raise self.fail(f"unexpected {type(p).__name__}")
         name = p.qualname.rsplit(".", 1)[1]
         fn = getattr(self, f"_build_{name.lstrip('_')}")
         return fn(p)
@@ -1116,7 +1118,7 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
     if type(obj) is not _PROXIES["Metadata"]:
         raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
-    return _Builder(".metadata").obj(obj)
+    return _Builder(".metadata").value(obj)
 
 
 # --------------------------------------------------------------------------
