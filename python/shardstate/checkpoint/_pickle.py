@@ -675,16 +675,24 @@ _PROXIES = {
 }
 
 
+_INT_ONLY = frozenset({int})
+
+
 def _ints(v: Any, what: str) -> tuple[int, ...]:
-    if type(v) not in (tuple, list) or not all(type(x) is int for x in v):
-        raise TypeError(f"{what} takes a tuple of ints, got {type(v).__name__}")
-    return tuple(v)
+    if type(v) is tuple:
+        if not v or set(map(type, v)) <= _INT_ONLY:
+            return v
+    elif type(v) is list and set(map(type, v)) <= _INT_ONLY:
+        return tuple(v)
+    raise TypeError(f"{what} takes a tuple of ints, got {type(v).__name__}")
 
 
 def _size_ctor(*args: Any) -> _SizeVal:
-    if len(args) > 1:
+    if len(args) == 1:
+        return _SizeVal(_ints(args[0], "torch.Size"))
+    if args:
         raise TypeError(f"{len(args)} arguments")
-    return _SizeVal(_ints(args[0], "torch.Size") if args else ())
+    return _SizeVal(())
 
 
 def _layout_ctor(name: Any) -> _TorchObj:
@@ -800,6 +808,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
         super().__init__(io.BytesIO(data))
+        self._data = data
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
@@ -817,6 +826,35 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 "pass allow_unsafe=True only for trusted checkpoints"
             )
         return obj
+
+    def _skip_frame(self) -> None:
+        # A FRAME only announces how many bytes follow; they are read inline.
+        (n,) = struct.unpack("<Q", self.read(8))
+        if n > len(self._data):
+            raise PickleFormatError(f"FRAME of {n} bytes in a {len(self._data)}-byte pickle")
+
+    dispatch[pickle.FRAME[0]] = _skip_frame
+
+    def load(self) -> Any:
+        """pickle._Unpickler.load, reading the in-memory bytes directly (no
+        per-read frame bookkeeping: frames are skipped, see _skip_frame)."""
+        f = io.BytesIO(self._data)
+        self.read = read = f.read
+        self.readinto = f.readinto
+        self.readline = f.readline
+        self.metastack = []
+        self.stack: list[Any] = []
+        self.append = self.stack.append
+        self.proto = 0
+        dispatch = self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError("pickle data was truncated")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed here")
@@ -843,6 +881,25 @@ def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str) -> An
 # ---- second pass: validate and build real objects ----
 
 _MAX_DEPTH = 100
+
+
+class _Fields:
+    """The fields of one metadata class: all known names, and the required ones."""
+
+    __slots__ = ("known", "required")
+
+    def __init__(self, known: frozenset[str], required: tuple[str, ...]) -> None:
+        self.known, self.required = known, required
+
+
+_F_METADATA = _Fields(frozenset(['planner_data', 'state_dict_metadata', 'storage_data', 'storage_meta', 'version']), ('state_dict_metadata',))
+_F_TENSOR = _Fields(frozenset(['chunks', 'properties', 'size']), ('properties', 'size', 'chunks'))
+_F_PROPS = _Fields(frozenset(['dtype', 'layout', 'memory_format', 'pin_memory', 'requires_grad']), ())
+_F_CHUNK = _Fields(frozenset(['offsets', 'sizes']), ('offsets', 'sizes'))
+_F_BYTES = _Fields(frozenset([]), ())
+_F_INDEX = _Fields(frozenset(['fqn', 'index', 'offset']), ('fqn',))
+_F_STORAGE_META = _Fields(frozenset(['checkpoint_id', 'load_id', 'modules', 'save_id']), ())
+_F_STORAGE_INFO = _Fields(frozenset(['length', 'offset', 'relative_path', 'transform_descriptors']), ('relative_path', 'offset', 'length'))
 
 
 class _Builder:
@@ -937,24 +994,25 @@ class _Builder:
 
     # ---- the metadata classes ----
 
-    def state(self, p: _ObjProxy, fields: dict[str, bool]) -> dict:
+    def state(self, p: _ObjProxy, fields: _Fields) -> dict:
         """The proxy's BUILD dict, checked: known keys only; fields marked
         True are required."""
         st = p.state
         name = p.qualname.rsplit(".", 1)[1]
         if st is None:
             st = {}
-        if type(st) is tuple and len(st) == 2 and type(st[0]) in (dict, type(None)):
+        if (type(st) is tuple and len(st) == 2
+                and type(st[0]) in (dict, type(None)) and type(st[1]) in (dict, type(None))):
             st = {**(st[0] or {}), **(st[1] or {})}  # (dict state, slot state)
         if type(st) is not dict:
             raise self.fail(f"{name} state is {type(st).__name__}, expected a dict")
-        for k in st:
-            if type(k) is not str:
-                raise self.fail(f"{name} state has a non-str key")
-        for k, required in fields.items():
-            if required and k not in st:
+        st = dict(st)  # the builders replace values; never touch the unpickled dict
+        if not st.keys() <= fields.known:  # unknown fields (newer torch?) are dropped
+            st = {k: v for k, v in st.items() if type(k) is str and k in fields.known}
+        for k in fields.required:
+            if k not in st:
                 raise self.fail(f"{name} has no {k!r}")
-        return {k: v for k, v in st.items() if k in fields}
+        return st
 
     def obj(self, p: _ObjProxy) -> Any:
         if type(p) is not _PROXIES.get(p.qualname.rsplit(".", 1)[1]):
@@ -970,8 +1028,7 @@ class _Builder:
         return o
 
     def _build_Metadata(self, p: _ObjProxy) -> Metadata:
-        st = self.state(p, {"state_dict_metadata": True, "planner_data": False,
-                            "storage_data": False, "storage_meta": False, "version": False})
+        st = self.state(p, _F_METADATA)
         sdm = st["state_dict_metadata"]
         if type(sdm) is not dict:
             raise self.fail("state_dict_metadata is not a dict")
@@ -997,7 +1054,7 @@ class _Builder:
         return self.new(Metadata, st)
 
     def _build_TensorStorageMetadata(self, p: _ObjProxy) -> TensorStorageMetadata:
-        st = self.state(p, {"properties": True, "size": True, "chunks": True})
+        st = self.state(p, _F_TENSOR)
         if type(st["properties"]) is not _PROXIES["TensorProperties"]:
             raise self.fail("TensorStorageMetadata.properties is not TensorProperties")
         st["properties"] = self.value(st["properties"])
@@ -1015,8 +1072,7 @@ class _Builder:
         if type(st) is tuple and len(st) == 5:
             st = dict(zip(("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), st))
         else:  # older torch: a plain __dict__
-            st = self.state(p, {"dtype": False, "layout": False, "requires_grad": False,
-                                "memory_format": False, "pin_memory": False})
+            st = self.state(p, _F_PROPS)
         out: dict[str, Any] = {}
         for k, kind in (("dtype", "dtype"), ("layout", "layout")):
             if k in st:
@@ -1043,7 +1099,7 @@ class _Builder:
         return props
 
     def _build_ChunkStorageMetadata(self, p: _ObjProxy) -> ChunkStorageMetadata:
-        st = self.state(p, {"offsets": True, "sizes": True})
+        st = self.state(p, _F_CHUNK)
         st["offsets"] = self.size(st["offsets"], "ChunkStorageMetadata.offsets")
         st["sizes"] = self.size(st["sizes"], "ChunkStorageMetadata.sizes")
         if len(st["offsets"]) != len(st["sizes"]):
@@ -1051,11 +1107,11 @@ class _Builder:
         return self.new(ChunkStorageMetadata, st)
 
     def _build_BytesStorageMetadata(self, p: _ObjProxy) -> BytesStorageMetadata:
-        self.state(p, {})
+        self.state(p, _F_BYTES)
         return BytesStorageMetadata()
 
     def _build_MetadataIndex(self, p: _ObjProxy) -> MetadataIndex:
-        st = self.state(p, {"fqn": True, "offset": False, "index": False})
+        st = self.state(p, _F_INDEX)
         if type(st["fqn"]) is not str:
             raise self.fail("MetadataIndex.fqn is not a str")
         if st.get("offset") is not None:
@@ -1065,8 +1121,7 @@ class _Builder:
         return self.new(MetadataIndex, st)
 
     def _build_StorageMeta(self, p: _ObjProxy) -> StorageMeta:
-        st = self.state(p, {"checkpoint_id": False, "save_id": False, "load_id": False,
-                            "modules": False})
+        st = self.state(p, _F_STORAGE_META)
         st = {k: self.value(v) for k, v in st.items()}
         cid = st.get("checkpoint_id")
         if cid is not None and not isinstance(cid, (str, pathlib.PurePath)):
@@ -1080,8 +1135,7 @@ class _Builder:
         return self.new(StorageMeta, st)
 
     def _build_StorageInfo(self, p: _ObjProxy) -> _StorageInfo:
-        st = self.state(p, {"relative_path": True, "offset": True, "length": True,
-                            "transform_descriptors": False})
+        st = self.state(p, _F_STORAGE_INFO)
         if type(st["relative_path"]) is not str:
             raise self.fail("_StorageInfo.relative_path is not a str")
         for k in ("offset", "length"):
@@ -1092,6 +1146,15 @@ class _Builder:
             if type(td) not in (list, tuple) or not all(type(x) is str for x in td):
                 raise self.fail("_StorageInfo.transform_descriptors is not a list of str")
         return self.new(_StorageInfo, st)
+
+
+def _build(what: str, obj: Any) -> Any:
+    try:
+        return _Builder(what).value(obj)
+    except (UnsafePickleError, PickleFormatError):
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, RecursionError) as e:
+        raise PickleFormatError(f"{what}: malformed objects: {type(e).__name__}: {e}") from None
 
 
 def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
@@ -1118,7 +1181,7 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
     if type(obj) is not _PROXIES["Metadata"]:
         raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
-    return _Builder(".metadata").value(obj)
+    return _build(".metadata", obj)
 
 
 # --------------------------------------------------------------------------
@@ -1200,5 +1263,4 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
     pkl = bytes(mv[pk.data_offset : pk.data_offset + pk.size])
     if allow_unsafe:
         return pickle.loads(pkl)
-    obj = _unpickle(pkl, _PLAIN_GLOBALS, "bytes item")
-    return _Builder("bytes item").value(obj)
+    return _build("bytes item", _unpickle(pkl, _PLAIN_GLOBALS, "bytes item"))
