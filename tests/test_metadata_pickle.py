@@ -334,6 +334,16 @@ def test_loads_object_refuses_objects_outside_allowlist() -> None:
         loads_object(buf.getvalue())
 
 
+def test_allow_unsafe_reads_plainly() -> None:
+    tm = torch_metadata()
+    ours = loads_metadata(pickle.dumps(tm), allow_unsafe=True)
+    assert type(ours) is smd.Metadata and norm(ours) == norm(tm)
+    rec = dumps_object(collections.Counter("aab"))
+    with pytest.raises(UnsafePickleError, match="collections.Counter"):
+        loads_object(rec)
+    assert loads_object(rec, allow_unsafe=True) == collections.Counter("aab")
+
+
 def test_old_format_metadata() -> None:
     tm = torch_metadata(False)
     del tm.__dict__["storage_meta"], tm.__dict__["version"]
@@ -444,6 +454,11 @@ def _evil(canary: Path) -> list[tuple[bytes, str]]:
          "_MEM_FORMAT_ENCODING"),
         (b"\x80\x02" + md_new + b"}b}b.", "twice"),
         # other ways to reach code
+        (b"(" + b"i" + b"os\nsystem\n" + b".", "os.system"),  # protocol 0 INST
+        (b"\x80\x02(" + _g("builtins", "exec") + _s(code) + b"o.", "builtins.exec"),  # OBJ
+        (b"\x80\x04" + _g(P._MD_MOD, "Metadata") + b")}" + _s("a") + b"K\x01s\x92.",
+         "Metadata"),  # NEWOBJ_EX with keyword arguments
+        (b"\x80\x02" + _g("copyreg", "_reconstructor") + b".", "copyreg._reconstructor"),
         (b"\x80\x02\x82\x01.", "extension"),
         (b"\x80\x02" + _s("x") + b"Q.", "persistent id"),
     ]
@@ -547,3 +562,19 @@ def test_fuzz_mutated_metadata(edits: list[tuple[int, int]], cut: int) -> None:
             continue
         assert type(md) is smd.Metadata
         norm(md)  # the result is a well-formed graph
+
+
+_VALID_OBJ = pickle.dumps(BYTES_VALUES | {"size": (2, 3), "dt": None}, protocol=2)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(_VALID_OBJ) - 1), st.integers(0, 255)),
+                min_size=1, max_size=4))
+def test_fuzz_mutated_bytes_item(edits: list[tuple[int, int]]) -> None:
+    data = bytearray(_VALID_OBJ)
+    for pos, byte in edits:
+        data[pos] = byte
+    try:
+        loads_object(P._zipfmt.bytes_record(bytes(data)))
+    except (UnsafePickleError, PickleFormatError):
+        pass
