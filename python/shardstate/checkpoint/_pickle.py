@@ -127,6 +127,15 @@ _BATCH = 1000
 _TORCH_MOD = "torch"  # module name of dtype globals (one shared object, as in torch)
 
 
+def _small_int(v: int) -> bytes:
+    """A non-negative int below 2**31, as save_int writes it."""
+    if v <= 0xFF:
+        return b"K" + bytes((v,))
+    if v <= 0xFFFF:
+        return b"M" + struct.pack("<H", v)
+    return b"J" + struct.pack("<i", v)
+
+
 class _Writer:
     """Emits opcodes exactly as ``_pickle.Pickler(protocol=4)`` would.
 
@@ -140,7 +149,7 @@ class _Writer:
         self.frame_start = -1
         self.memo: dict[Any, int] = {}
         self._keep: list[Any] = []
-        self._size_mod_n = 0
+        self._fresh = 0
 
     # ---- framing ----
     def w(self, b: bytes | bytearray) -> None:
@@ -187,8 +196,8 @@ class _Writer:
         self.w(b"\x94")
 
     def fresh_key(self) -> tuple[str, int]:
-        self._size_mod_n += 1
-        return ("fresh", self._size_mod_n)
+        self._fresh += 1
+        return ("fresh", self._fresh)
 
     # ---- generic values ----
     def save(self, obj: Any) -> None:
@@ -379,6 +388,26 @@ class _Writer:
         dims = tuple(obj)
         if not all(type(d) is int for d in dims):
             raise TypeError(f"torch.Size dimensions must be ints, got {obj!r}")
+        size_global = self.memo.get(("global", "torch", "Size"))
+        fs = self.frame_start
+        if (size_global is not None and fs >= 0 and 0 < len(dims) <= 3
+                and len(self.buf) - fs - 9 + 48 < _FRAME_TARGET
+                and all(0 <= d <= 0x7FFFFFFF for d in dims)):
+            # Fast path, same bytes: no frame boundary can fall inside this object.
+            n = len(self.memo)
+            m = self.memo
+            m[self.fresh_key()] = n
+            m[self.fresh_key()] = n + 1
+            if real:
+                m[id(obj)] = n + 2
+                self._keep.append(obj)
+            else:
+                m[self.fresh_key()] = n + 2
+            get = b"h" + bytes((size_global,)) if size_global < 256 else (
+                b"j" + struct.pack("<I", size_global))
+            self.buf += get + b"".join(map(_small_int, dims)) + (
+                b"\x85\x86\x87"[len(dims) - 1 : len(dims)] + b"\x94\x85\x94R\x94")
+            return
         # torch.Size.__module__ is a new string each time it is read
         if not self.get(("global", "torch", "Size")):
             self.boundary()
