@@ -578,3 +578,32 @@ def test_fuzz_mutated_bytes_item(edits: list[tuple[int, int]]) -> None:
         loads_object(P._zipfmt.bytes_record(bytes(data)))
     except (UnsafePickleError, PickleFormatError):
         pass
+
+
+def test_numpy_bytes_items() -> None:
+    import numpy as np
+
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3),
+              np.asfortranarray(np.arange(6).reshape(2, 3)), np.array(3.5), np.float64(1.5),
+              np.int8(-3), np.zeros((0, 2), dtype=">i4"), np.array([True, False]),
+              np.array([1 + 2j], dtype=np.complex64), {"a": [np.uint16(7)]}]
+    for v in values:
+        buf = io.BytesIO()
+        torch.save(v, buf)
+        rec = buf.getvalue()
+        assert dumps_object(v) == rec
+        out = loads_object(rec)
+        if isinstance(v, dict):
+            assert out == v and type(out["a"][0]) is np.uint16
+            continue
+        assert type(out) is type(v) and out.dtype == v.dtype and out.shape == v.shape
+        assert np.array_equal(out, v)
+        if isinstance(v, np.ndarray):
+            assert out.flags["F_CONTIGUOUS"] == v.flags["F_CONTIGUOUS"] and out.flags.writeable
+    buf = io.BytesIO()
+    torch.save(np.array([1, "x"], dtype=object), buf)  # object arrays hold pickled objects
+    with pytest.raises(UnsafePickleError, match="numpy.dtype"):
+        loads_object(buf.getvalue())
+    bad = pickle.dumps(np.arange(4, dtype=np.int32), protocol=2).replace(b"i4", b"i8")
+    with pytest.raises(PickleFormatError, match="bytes of data"):
+        loads_object(P._zipfmt.bytes_record(bad))

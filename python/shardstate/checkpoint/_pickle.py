@@ -794,6 +794,88 @@ def _odict_ctor(*args: Any) -> OrderedDict:
     return OrderedDict()
 
 
+# ---- NumPy arrays and scalars (as pickled by numpy: _reconstruct + BUILD) ----
+
+_NP_DTYPES = frozenset(
+    ["b1", "f2", "f4", "f8", "c8", "c16"] + [f"{k}{n}" for k in "iu" for n in (1, 2, 4, 8)]
+)
+
+
+class _NpMarker(_Inert):
+    __slots__ = ()
+    _what = "numpy.ndarray"
+
+
+_NDARRAY = _NpMarker()
+
+
+class _NpDtype(_Inert):
+    """numpy.dtype(name, align, copy), then BUILD with its 8-tuple state."""
+
+    __slots__ = ("name", "state")
+    _what = "a numpy dtype"
+
+    def __init__(self, name: str) -> None:
+        self.name, self.state = name, None
+
+    def __setstate__(self, *state: Any) -> None:
+        if len(state) != 1 or self.state is not None:
+            raise UnsafePickleError("pickle sets the state of a numpy dtype twice")
+        self.state = state[0]
+
+
+class _NdVal(_Inert):
+    """numpy's _reconstruct(ndarray, (0,), b'b'), then BUILD with the array state."""
+
+    __slots__ = ("state",)
+    _what = "a numpy array"
+
+    def __init__(self) -> None:
+        self.state = None
+
+    def __setstate__(self, *state: Any) -> None:
+        if len(state) != 1 or self.state is not None:
+            raise UnsafePickleError("pickle sets the state of a numpy array twice")
+        self.state = state[0]
+
+
+class _NpScalar(_Inert):
+    __slots__ = ("dtype", "raw")
+    _what = "a numpy scalar"
+
+    def __init__(self, dtype: _NpDtype, raw: bytes) -> None:
+        self.dtype, self.raw = dtype, raw
+
+
+def _np_dtype_ctor(name: Any, align: Any = False, copy: Any = True) -> _NpDtype:
+    if type(name) is not str or name not in _NP_DTYPES or type(align) is not bool:
+        raise ValueError(f"numpy dtype {name!r} is not a plain numeric dtype")
+    return _NpDtype(name)
+
+
+def _np_reconstruct(cls: Any, shape: Any, code: Any) -> _NdVal:
+    if cls is not _NDARRAY or type(code) is not bytes:
+        raise TypeError("only numpy.ndarray is reconstructed")
+    return _NdVal()
+
+
+def _np_scalar(dtype: Any, raw: Any = None) -> _NpScalar:
+    if type(dtype) is not _NpDtype or type(raw) is not bytes:
+        raise TypeError("scalar(dtype, bytes) expected")
+    return _NpScalar(dtype, raw)
+
+
+def _np_globals() -> dict[tuple[str, str], Any]:
+    g: dict[tuple[str, str], Any] = {
+        ("numpy", "ndarray"): _NDARRAY,
+        ("numpy", "dtype"): _Call("numpy.dtype", _np_dtype_ctor),
+    }
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        g[(mod, "_reconstruct")] = _Call(f"{mod}._reconstruct", _np_reconstruct)
+        g[(mod, "scalar")] = _Call(f"{mod}.scalar", _np_scalar)
+    return g
+
+
 def _plain_globals() -> dict[tuple[str, str], Any]:
     g: dict[tuple[str, str], Any] = {
         ("builtins", "set"): _Call("builtins.set", _set_ctor),
@@ -811,6 +893,7 @@ def _plain_globals() -> dict[tuple[str, str], Any]:
     for n in _MEMFMT_NAMES:
         g[("torch", n.removeprefix("torch."))] = _TorchObj(n, "memory_format")
         g[("torch._utils", n)] = _TorchObj(n, "memory_format")
+    g.update(_np_globals())
     return g
 
 
@@ -1019,7 +1102,49 @@ class _Builder:
             return cls(*v.parts)
         if isinstance(v, _ObjProxy):
             return self.obj(v)
+        if t is _NdVal:
+            return self.ndarray(v)
+        if t is _NpScalar:
+            return self.np_dtype(v.dtype).type(self.np_array(v.raw, v.dtype, (), False))
         raise self.fail(f"unexpected {t.__module__}.{t.__qualname__} in the pickle")
+
+    # ---- numpy ----
+
+    def np_dtype(self, d: Any) -> Any:
+        import numpy as np
+
+        st = d.state if type(d) is _NpDtype else None
+        if not (type(st) is tuple and len(st) == 8 and st[0] == 3 and st[1] in ("<", ">", "|", "=")
+                and st[2:5] == (None, None, None)):
+            raise self.fail("numpy dtype state is not that of a plain numeric dtype")
+        return np.dtype(d.name).newbyteorder(st[1] if st[1] in "<>" else "=")
+
+    def np_array(self, raw: Any, d: Any, shape: tuple[int, ...], fortran: bool) -> Any:
+        import numpy as np
+
+        dt = self.np_dtype(d)
+        if type(raw) is not bytes:
+            raise self.fail("numpy array data is not bytes")
+        n = 1
+        for s in shape:
+            n *= s
+        if len(raw) != n * dt.itemsize:
+            raise self.fail(f"numpy array of shape {shape} {dt} has {len(raw)} bytes of data")
+        arr = np.frombuffer(raw, dtype=dt).reshape(shape, order="F" if fortran else "C")
+        return arr.copy(order="K") if shape else arr.reshape(())[()]
+
+    def ndarray(self, v: _NdVal) -> Any:
+        st = v.state
+        if not (type(st) is tuple and len(st) == 5 and st[0] == 1 and type(st[3]) is bool):
+            raise self.fail("numpy array state is not (1, shape, dtype, fortran, data)")
+        shape = st[1]
+        if type(shape) is not tuple or not all(type(s) is int and s >= 0 for s in shape):
+            raise self.fail("numpy array shape is not a tuple of non-negative ints")
+        import numpy as np
+
+        if not shape:
+            return np.array(self.np_array(st[4], st[2], (), st[3]), dtype=self.np_dtype(st[2]))
+        return self.np_array(st[4], st[2], shape, st[3])
 
     # ---- the metadata classes ----
 
@@ -1257,8 +1382,9 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
     """Reads one DCP bytes item (a ``torch.save`` record) back into its object.
 
     Admits plain Python values (None, bool, int, float, complex, str, bytes,
-    bytearray, list, tuple, dict, set, frozenset, OrderedDict, slice) and
-    torch sizes and dtypes; anything else raises :class:`UnsafePickleError`
+    bytearray, list, tuple, dict, set, frozenset, OrderedDict, slice), torch
+    sizes and dtypes, and NumPy arrays and scalars of bool/int/uint/float/complex
+    dtypes (rebuilt from their bytes, never through numpy's unpickling code); anything else raises :class:`UnsafePickleError`
     naming the class. A record that holds tensors is loaded with
     ``torch.load(weights_only=True)`` (torch's own allowlist; torch must be
     installed). ``allow_unsafe=True`` means ``torch.load(weights_only=False)``
