@@ -425,7 +425,8 @@ def _evil(canary: Path) -> list[tuple[bytes, str]]:
         (b"\x80\x02" + _g("os", "system") + _s(shell) + b"\x85R.", "os.system"),
         (b"\x80\x02" + _g("posix", "system") + _s(shell) + b"\x85R.", "posix.system"),
         (b"\x80\x02" + _g("__builtin__", "eval") + _s(code) + b"\x85R.", "__builtin__.eval"),
-        (b"\x80\x04" + _s("builtins") + _s("exec") + b"\x93" + _s(code) + b"\x85R.", "builtins.exec"),
+        (b"\x80\x04" + _s("builtins") + _s("exec") + b"\x93" + _s(code) + b"\x85R.",
+         "builtins.exec"),
         (b"\x80\x02" + _g("subprocess", "Popen") + b"(" + _s("touch") + _s(str(canary))
          + b"l\x85R.", "subprocess.Popen"),
         (b"\x80\x02" + _g("torch", "load") + _s(str(canary)) + b"\x85R.", "torch.load"),

@@ -8,6 +8,11 @@ torch. It is a small opcode writer that reproduces CPython's C pickler
 output is byte-identical to ``pickle.dumps`` of the equivalent torch objects
 whenever the two object graphs share the same objects (see ``dumps_metadata``).
 
+Bytes items. ``dumps_object`` writes the record ``torch.save`` writes for a
+DCP bytes item (byte-identical for objects without tensors) and
+``loads_object`` reads one with a narrower allowlist: plain Python values,
+torch sizes and dtypes, NumPy arrays and scalars of numeric dtypes.
+
 Reading. ``loads_metadata`` and ``loads_object`` run CPython's pure-Python
 unpickler (its memo is a dict, so a forged memo index cannot make it allocate
 gigabytes, as the C unpickler's array memo can) with ``find_class`` limited to
@@ -416,8 +421,12 @@ class _Writer:
             self.w(b"\x93")
             self.put(("global", "torch", "Size"))
         self.boundary()
-        self.save_tuple((dims,), lambda x: (self.boundary(), self.save_tuple(x, self.save, memo=False)),
-                        memo=False)
+
+        def inner(x: tuple) -> None:
+            self.boundary()
+            self.save_tuple(x, self.save, memo=False)
+
+        self.save_tuple((dims,), inner, memo=False)
         self.w(b"R")
         self.put(id(obj) if real else self.fresh_key(), obj)
 
@@ -969,7 +978,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             return stop.value
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed here")
+        raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
 
 
 def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str) -> Any:
@@ -1004,14 +1013,38 @@ class _Fields:
         self.known, self.required = known, required
 
 
-_F_METADATA = _Fields(frozenset(['planner_data', 'state_dict_metadata', 'storage_data', 'storage_meta', 'version']), ('state_dict_metadata',))
-_F_TENSOR = _Fields(frozenset(['chunks', 'properties', 'size']), ('properties', 'size', 'chunks'))
-_F_PROPS = _Fields(frozenset(['dtype', 'layout', 'memory_format', 'pin_memory', 'requires_grad']), ())
-_F_CHUNK = _Fields(frozenset(['offsets', 'sizes']), ('offsets', 'sizes'))
-_F_BYTES = _Fields(frozenset([]), ())
-_F_INDEX = _Fields(frozenset(['fqn', 'index', 'offset']), ('fqn',))
-_F_STORAGE_META = _Fields(frozenset(['checkpoint_id', 'load_id', 'modules', 'save_id']), ())
-_F_STORAGE_INFO = _Fields(frozenset(['length', 'offset', 'relative_path', 'transform_descriptors']), ('relative_path', 'offset', 'length'))
+_F_METADATA = _Fields(
+    frozenset({'planner_data', 'state_dict_metadata', 'storage_data', 'storage_meta', 'version'}),
+    ('state_dict_metadata',),
+)
+_F_TENSOR = _Fields(
+    frozenset({'chunks', 'properties', 'size'}),
+    ('properties', 'size', 'chunks'),
+)
+_F_PROPS = _Fields(
+    frozenset({'dtype', 'layout', 'memory_format', 'pin_memory', 'requires_grad'}),
+    (),
+)
+_F_CHUNK = _Fields(
+    frozenset({'offsets', 'sizes'}),
+    ('offsets', 'sizes'),
+)
+_F_BYTES = _Fields(
+    frozenset(),
+    (),
+)
+_F_INDEX = _Fields(
+    frozenset({'fqn', 'index', 'offset'}),
+    ('fqn',),
+)
+_F_STORAGE_META = _Fields(
+    frozenset({'checkpoint_id', 'load_id', 'modules', 'save_id'}),
+    (),
+)
+_F_STORAGE_INFO = _Fields(
+    frozenset({'length', 'offset', 'relative_path', 'transform_descriptors'}),
+    ('relative_path', 'offset', 'length'),
+)
 
 
 class _Builder:
@@ -1384,7 +1417,8 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
     Admits plain Python values (None, bool, int, float, complex, str, bytes,
     bytearray, list, tuple, dict, set, frozenset, OrderedDict, slice), torch
     sizes and dtypes, and NumPy arrays and scalars of bool/int/uint/float/complex
-    dtypes (rebuilt from their bytes, never through numpy's unpickling code); anything else raises :class:`UnsafePickleError`
+    dtypes (rebuilt from their bytes, never through numpy's unpickling code);
+    anything else raises :class:`UnsafePickleError`
     naming the class. A record that holds tensors is loaded with
     ``torch.load(weights_only=True)`` (torch's own allowlist; torch must be
     installed). ``allow_unsafe=True`` means ``torch.load(weights_only=False)``
