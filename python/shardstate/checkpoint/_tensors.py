@@ -223,7 +223,7 @@ def write_items(fqn: str, value: Any) -> list[WriteItem]:
 def chunk_list(value: Any) -> list[ChunkStorageMetadata]:
     """Boxes of the global tensor that ``value`` holds on this rank
     (torch's ``_create_chunk_list``); ValueError for a non-tensor."""
-    if is_saved_array(value) or (isinstance(value, np.ndarray)):
+    if isinstance(value, np.ndarray):
         return [ChunkStorageMetadata(offsets=to_size([0] * value.ndim), sizes=to_size(value.shape))]
     if is_dtensor(value):
         local = value._local_tensor

@@ -15,6 +15,9 @@ Deliberate differences from torch:
   would reuse metadata with a stale dtype);
 * bytes items are unpickled through ``loads`` (default: plain Python values
   only, never a full unpickler) instead of ``torch.load(weights_only=False)``;
+  with ``flatten_state_dict=False`` they also land in the caller's dict (torch
+  writes them only into its internal copy);
+* a global plan whose planner_data is None is merged as empty (torch fails);
 * NumPy arrays are saved as tensors; without torch the whole planner works on
   NumPy-only state dicts.
 
@@ -81,7 +84,9 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------
 
 
-def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = False) -> list[SavePlan]:
+def dedup_save_plans(
+    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
+) -> list[SavePlan]:
     """Keep each item (same ``MetadataIndex``) in one plan only.
 
     torch 2.13's rule: items are assigned in first-seen order (rank 0's
@@ -89,12 +94,12 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
     (ties: lowest rank), or to the lowest rank with ``save_to_lowest_rank``.
     A bytes item counts as 1 byte.
     """
-    where: dict[MetadataIndex, set[int]] = defaultdict(set)
-    first: dict[MetadataIndex, WriteItem] = {}
+    where: dict[MetadataIndex, set[int]] = defaultdict(set)  # first-seen order
+    item_of: dict[MetadataIndex, WriteItem] = {}  # the last plan's copy, as in torch
     for plan_idx, plan in enumerate(all_plans):
         for item in plan.items:
             where[item.index].add(plan_idx)
-            first[item.index] = item
+            item_of[item.index] = item
     keep: list[set[MetadataIndex]] = [{item.index for item in p.items} for p in all_plans]
     planned = [0] * len(all_plans)
     for index, plans in where.items():
@@ -102,7 +107,7 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
             chosen = min(plans)
         else:
             chosen = min(plans, key=planned.__getitem__)
-        planned[chosen] += first[index].tensor_storage_size() or 1
+        planned[chosen] += item_of[index].tensor_storage_size() or 1
         for p in plans:
             if p != chosen:
                 keep[p].discard(index)
@@ -183,14 +188,19 @@ def _validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> li
                 errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} "
                               f"chunk: {chunk}")
             volume += math.prod(chunk.sizes)
-        if len(chunks) > 1:
-            index = OverlapIndex([(c.offsets, c.sizes) for c in chunks], ndim=len(size))
-            hits = index.query_many([(c.offsets, c.sizes) for c in chunks])
-            for i, overlaps in enumerate(hits):
+        # Boxes with negative numbers (reported above) cannot go in the index.
+        boxes = [i for i, c in enumerate(chunks)
+                 if len(c.offsets) == len(size) == len(c.sizes)
+                 and min(c.offsets, default=0) >= 0 and min(c.sizes, default=0) >= 0]
+        if len(boxes) > 1:
+            index = OverlapIndex([(chunks[i].offsets, chunks[i].sizes) for i in boxes],
+                                 ndim=len(size))
+            hits = index.query_many([(chunks[i].offsets, chunks[i].sizes) for i in boxes])
+            for j, overlaps in enumerate(hits):
                 for ov in overlaps:
-                    if ov.saved_index > i:  # each pair once
-                        errors.append(f"key:{key} has overlapping chunks: {chunks[ov.saved_index]} "
-                                      f"{chunks[i]}")
+                    if ov.saved_index > j:  # each pair once
+                        errors.append(f"key:{key} has overlapping chunks: "
+                                      f"{chunks[boxes[ov.saved_index]]} {chunks[boxes[j]]}")
         total = math.prod(size)
         if len(global_plan) > 1 and volume != total:
             errors.append(f"key:{key} invalid fill tensor-volume: {total} chunks-volume: {volume}")
