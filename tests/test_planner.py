@@ -449,9 +449,41 @@ def test_resolve_tensor_is_a_view() -> None:
     view.fill_(5)
     p.commit_tensor(ri, view)
     assert dest["a"].sum() == 30 and dest["a"][1:3, 2:5].eq(5).all()
+    # A destination outside CPU memory is read through a CPU temporary that
+    # commit_tensor copies into place (meta stands in for CUDA here).
+    elsewhere = torch.empty(4, 6, device="meta")
+    tmp = p.transform_tensor(ri, elsewhere)
+    assert tmp.device.type == "cpu" and tuple(tmp.shape) == (2, 3)
+    p.commit_tensor(ri, tmp)
+    assert not p._pending
     meta = {"a": torch.empty(4, 6, device="meta")}  # materialised like torch does
     p.set_up_planner(meta, md, True)
     assert meta["a"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("ours, theirs", [
+    (splanner.SavePlanner, tplanner.SavePlanner),
+    (splanner.LoadPlanner, tplanner.LoadPlanner),
+    (sdp.DefaultSavePlanner, tdp.DefaultSavePlanner),
+    (sdp.DefaultLoadPlanner, tdp.DefaultLoadPlanner),
+])
+def test_planner_interfaces_match_torch(ours: type, theirs: type) -> None:
+    import inspect
+
+    def public(cls: type) -> dict[str, list[str]]:
+        out = {}
+        for name, fn in inspect.getmembers(cls, inspect.isfunction):
+            if not name.startswith("_") or name == "__init__":
+                params = inspect.signature(fn).parameters.values()
+                # Extra keyword-only options (DefaultLoadPlanner's loads) are allowed.
+                out[name] = [(p.name, p.kind, p.default) for p in params
+                             if p.kind is not p.KEYWORD_ONLY]
+        return out
+
+    assert public(ours) == public(theirs)
+    caches = [n for n in vars(theirs) if n.startswith("_cached")]
+    assert caches == [n for n in vars(ours) if n.startswith("_cached")]
+    assert inspect.isabstract(ours) == inspect.isabstract(theirs)
 
 
 def random_tiling(rng: random.Random, shape: tuple[int, ...], pieces: int) -> list[TChunk]:
@@ -680,7 +712,9 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
     spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
     st = st_empty(spec, 10, 4)
     assert isinstance(st, ShardedTensor)
-    sd = {"st": st, "x": torch.ones(2)}
+    # Only ranks 0 and 1 hold shards of this one; the others drop it, as torch does.
+    part = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+    sd = {"st": st, "x": torch.ones(2), "part": st_empty(part, 6, 2)}
     local = {}
     for name, cls in (("ours", sdp.DefaultSavePlanner), ("torch", tdp.DefaultSavePlanner)):
         p = cls()
@@ -693,9 +727,12 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
     ours_md = sdp.DefaultSavePlanner().create_global_plan([g["ours"] for g in gathered])[1]
     assert_same(ours_md, md, "ShardedTensor metadata")
     spec2 = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in reversed(range(world))])
-    ours, theirs = load_both(lambda: {"st": st_empty(spec2, 10, 4), "x": torch.zeros(2)}, md)
+    ours, theirs = load_both(
+        lambda: {"st": st_empty(spec2, 10, 4), "x": torch.zeros(2), "part": st_empty(part, 6, 2)},
+        md)
     assert_same(ours[0].items, nonempty(theirs[0].items), "ShardedTensor load plan")
     assert any(i.dest_index.fqn == "st" for i in ours[0].items)
+    assert any(i.dest_index.fqn == "part" for i in ours[0].items) == (rank < 2)
     return counts
 
 
