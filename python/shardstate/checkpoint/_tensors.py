@@ -66,8 +66,15 @@ def _torch() -> Any:
 def to_size(values: Sequence[int]) -> Any:
     """torch.Size when torch is loaded, else a tuple of ints (they compare equal)."""
     torch = _torch()
-    t = tuple(int(v) for v in values)
+    if torch is not None and type(values) is torch.Size:
+        return values
+    t = tuple(map(int, values))
     return torch.Size(t) if torch is not None else t
+
+
+def _zeros(ndim: int) -> Any:
+    """``to_size([0] * ndim)``."""
+    return to_size((0,) * ndim)
 
 
 def numpy_dtype_name(dtype: np.dtype) -> str | None:
@@ -86,11 +93,8 @@ def is_torch_tensor(value: Any) -> bool:
 
 
 def is_dtensor(value: Any) -> bool:
-    if "torch.distributed.tensor" not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
 
 
 def is_sharded_tensor(value: Any) -> bool:
@@ -153,7 +157,7 @@ def _from_torch_item(item: Any) -> WriteItem:
 
 
 def _tensor_item(fqn: str, size: Any, properties: TensorProperties) -> WriteItem:
-    offsets = to_size([0] * len(size))
+    offsets = _zeros(len(size))
     return WriteItem(
         index=MetadataIndex(fqn, offsets),
         type=WriteItemType.TENSOR,
@@ -224,7 +228,7 @@ def chunk_list(value: Any) -> list[ChunkStorageMetadata]:
     """Boxes of the global tensor that ``value`` holds on this rank
     (torch's ``_create_chunk_list``); ValueError for a non-tensor."""
     if isinstance(value, np.ndarray):
-        return [ChunkStorageMetadata(offsets=to_size([0] * value.ndim), sizes=to_size(value.shape))]
+        return [ChunkStorageMetadata(offsets=_zeros(value.ndim), sizes=to_size(value.shape))]
     if is_dtensor(value):
         local = value._local_tensor
         if hasattr(local, "__create_chunk_list__"):
@@ -241,7 +245,7 @@ def chunk_list(value: Any) -> list[ChunkStorageMetadata]:
             for s in value.local_shards()
         ]
     if is_torch_tensor(value):
-        return [ChunkStorageMetadata(offsets=to_size([0] * value.dim()), sizes=value.size())]
+        return [ChunkStorageMetadata(offsets=_zeros(value.dim()), sizes=value.size())]
     raise ValueError(
         "Unsupported Type, expecting one of [Tensor, DTensor, ShardedTensor, numpy.ndarray], "
         f"but got {type(value)}"

@@ -33,8 +33,8 @@ import logging
 import math
 import pickle
 import sys
-from collections import ChainMap, defaultdict
-from collections.abc import Callable, Sequence
+from collections import ChainMap
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -94,26 +94,28 @@ def dedup_save_plans(
     (ties: lowest rank), or to the lowest rank with ``save_to_lowest_rank``.
     A bytes item counts as 1 byte.
     """
-    where: dict[MetadataIndex, set[int]] = defaultdict(set)  # first-seen order
-    item_of: dict[MetadataIndex, WriteItem] = {}  # the last plan's copy, as in torch
-    for plan_idx, plan in enumerate(all_plans):
-        for item in plan.items:
-            where[item.index].add(plan_idx)
-            item_of[item.index] = item
-    keep: list[set[MetadataIndex]] = [{item.index for item in p.items} for p in all_plans]
+    # Items are numbered by index in first-seen order: one hash per item.
+    ids: dict[MetadataIndex, int] = {}
+    plan_ids = [[ids.setdefault(item.index, len(ids)) for item in plan.items]
+                for plan in all_plans]
+    where: list[set[int]] = [set() for _ in ids]
+    item_of: list[Any] = [None] * len(ids)  # the last plan's copy, as in torch
+    for plan_idx, (plan, item_ids) in enumerate(zip(all_plans, plan_ids)):
+        for item, i in zip(plan.items, item_ids):
+            where[i].add(plan_idx)
+            item_of[i] = item
     planned = [0] * len(all_plans)
-    for index, plans in where.items():
-        if save_to_lowest_rank:
-            chosen = min(plans)
-        else:
-            chosen = min(plans, key=planned.__getitem__)
-        planned[chosen] += item_of[index].tensor_storage_size() or 1
-        for p in plans:
-            if p != chosen:
-                keep[p].discard(index)
+    chosen = [0] * len(ids)
+    for i, plans in enumerate(where):
+        # min over the set, like torch (its iteration order decides ties).
+        c = min(plans) if save_to_lowest_rank else min(plans, key=planned.__getitem__)
+        chosen[i] = c
+        planned[c] += item_of[i].tensor_storage_size() or 1
     return [
-        dataclasses.replace(plan, items=[i for i in plan.items if i.index in kept])
-        for plan, kept in zip(all_plans, keep)
+        dataclasses.replace(
+            plan, items=[item for item, i in zip(plan.items, item_ids) if chosen[i] == p]
+        )
+        for p, (plan, item_ids) in enumerate(zip(all_plans, plan_ids))
     ]
 
 
@@ -249,6 +251,11 @@ def _flatten_sharded_tensors(state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
     leaves (so empty dicts vanish and keys become strings, as in torch), with
     FSDP1's ShardedTensor-of-ShardedTensor collapsed into one level and
     ShardedTensors without local shards dropped."""
+    st_loaded = "torch.distributed._shard.sharded_tensor" in sys.modules
+    if all(type(k) is str and not isinstance(v, (Mapping, list))
+           and not (st_loaded and _tensors.is_sharded_tensor(v))
+           for k, v in state_dict.items()):
+        return state_dict  # already flat: rebuilding it would copy it unchanged
     out: STATE_DICT_TYPE = {}
     nested_st = False
 
