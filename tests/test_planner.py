@@ -399,6 +399,10 @@ def test_load_errors() -> None:
         with pytest.raises(ValueError, match="Invalid checkpoint metadata for a"):
             p.create_local_plan()
     p = sdp.DefaultLoadPlanner()
+    p.set_up_planner({"a": torch.ones(2, 3), "zz": torch.ones(1), "yy": {"q": 1}}, md, True)
+    with pytest.raises(RuntimeError, match=r"2 keys are missing in all \('zz', 'yy\.q'\)"):
+        p.create_local_plan()
+    p = sdp.DefaultLoadPlanner()
     p.set_up_planner({"a": torch.ones(3, 2)}, md, True)
     with pytest.raises(ValueError, match=r"shape \(2, 3\), the destination has shape \(3, 2\)"):
         p.create_local_plan()

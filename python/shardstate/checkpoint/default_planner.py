@@ -18,8 +18,11 @@ Deliberate differences from torch:
   with ``flatten_state_dict=False`` they also land in the caller's dict (torch
   writes them only into its internal copy);
 * a global plan whose planner_data is None is merged as empty (torch fails);
-* NumPy arrays are saved as tensors; without torch the whole planner works on
-  NumPy-only state dicts.
+* NumPy arrays are saved as tensors (and lists of them are descended into
+  like lists of tensors); without torch the whole planner works on NumPy-only
+  state dicts;
+* error messages keep torch's exception types and wording and add what was
+  expected (all missing keys, both shapes).
 
 torch is imported only when the state dict holds torch objects (and then it
 is already loaded).
@@ -514,11 +517,17 @@ def _single_overlap(saved: ChunkStorageMetadata, local: ChunkStorageMetadata) ->
     return [(0, soff, loff, lens)]
 
 
-def _missing_key_error(fqn: str, metadata: Metadata) -> RuntimeError:
+def _missing_key_error(fqn: str, state_dict: dict[str, Any], metadata: Metadata) -> RuntimeError:
+    saved = metadata.state_dict_metadata
+    missing = [k for k in state_dict if k not in saved]
+    more = ""
+    if len(missing) > 1:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        more = f" {len(missing)} keys are missing in all ({shown})."
     return RuntimeError(
-        f"Missing key in checkpoint state_dict: {fqn}. The checkpoint has no entry "
-        f"{fqn!r} ({len(metadata.state_dict_metadata)} keys saved); pass "
-        "allow_partial_load=True to DefaultLoadPlanner to leave it unloaded."
+        f"Missing key in checkpoint state_dict: {fqn}. The checkpoint ({len(saved)} keys) has "
+        f"no entry {fqn!r}.{more} Pass allow_partial_load=True to DefaultLoadPlanner to leave "
+        "missing keys unloaded."
     )
 
 
@@ -534,7 +543,7 @@ def create_default_local_load_plan(
         md = saved.get(fqn)
         if md is None:
             if strict:
-                raise _missing_key_error(fqn, metadata)
+                raise _missing_key_error(fqn, state_dict, metadata)
             continue
         if _is_tensor_md(md):
             shape = _tensors.global_size(obj)
