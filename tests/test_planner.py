@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
 from torch.distributed.checkpoint import _version as torch_version
 from torch.distributed.checkpoint import default_planner as tdp
@@ -191,6 +193,44 @@ def test_flatten_matches_torch(v2_3: bool) -> None:
     assert nested["model"]["layer"]["bias"] is sd["model"]["layer"]["bias"]
     assert nested["list_of_tensors"][2] == 99 and nested["optim"]["state"]["0"]["exp_avg"] is \
         sd["optim"]["state"][0]["exp_avg"]
+
+
+_leaf = st.one_of(st.integers(-3, 3), st.text("ab", max_size=2), st.none(),
+                 st.builds(lambda n: torch.ones(n), st.integers(0, 2)))
+_tree = st.recursive(
+    _leaf,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=3),
+        st.tuples(kids, kids),
+        st.dictionaries(st.one_of(st.text("xy", min_size=1, max_size=2), st.integers(0, 2)),
+                        kids, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text("kl", min_size=1, max_size=2), _tree, max_size=4),
+       st.booleans())
+def test_flatten_matches_torch_on_random_trees(sd: dict, v2_3: bool) -> None:
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    torch_version._derived_version = "2_3" if v2_3 else None
+    try:
+        theirs = torch_flatten(sd)
+    except ValueError:  # a duplicated key (e.g. "1" and 1 in one dict)
+        theirs = None
+    finally:
+        torch_version._derived_version = None
+    if theirs is None:
+        with pytest.raises(ValueError, match="duplicated flatten key"):
+            _flatten.flatten_state_dict(sd, v2_3=v2_3)
+        return
+    ours = _flatten.flatten_state_dict(sd, v2_3=v2_3)
+    assert list(ours[0]) == list(theirs[0]) and ours[1] == theirs[1]
+    assert all(ours[0][k] is theirs[0][k] for k in ours[0])
+    a, b = _flatten.unflatten_state_dict(*ours), unflatten_state_dict(*theirs)
+    assert repr(a) == repr(b)
 
 
 def test_flatten_duplicate_key_and_deep_nesting() -> None:
@@ -714,11 +754,11 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
                     assert filled.get(key, 0) == value.to_local().numel(), (key, n, m)
     # Legacy ShardedTensor (needs the whole group): save plan and a reshard load plan.
     spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
-    st = st_empty(spec, 10, 4)
-    assert isinstance(st, ShardedTensor)
+    sharded = st_empty(spec, 10, 4)
+    assert isinstance(sharded, ShardedTensor)
     # Only ranks 0 and 1 hold shards of this one; the others drop it, as torch does.
     part = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
-    sd = {"st": st, "x": torch.ones(2), "part": st_empty(part, 6, 2)}
+    sd = {"st": sharded, "x": torch.ones(2), "part": st_empty(part, 6, 2)}
     local = {}
     for name, cls in (("ours", sdp.DefaultSavePlanner), ("torch", tdp.DefaultSavePlanner)):
         p = cls()
