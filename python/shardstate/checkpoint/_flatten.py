@@ -36,6 +36,7 @@ __all__ = [
     "OBJ_PATH",
     "flatten_state_dict",
     "get_element",
+    "is_tensor_like",
     "set_element",
     "traverse_state_dict",
     "traverse_state_dict_v_2_3",

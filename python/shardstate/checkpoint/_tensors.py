@@ -31,9 +31,14 @@ from .planner import TensorWriteData, WriteItem, WriteItemType
 
 __all__ = [
     "chunk_list",
+    "dtensor_in_mesh",
     "find_state_dict_object",
+    "global_size",
     "is_dtensor",
+    "is_saved_array",
     "is_sharded_tensor",
+    "is_torch_tensor",
+    "narrow",
     "numpy_dtype_name",
     "to_size",
     "write_items",
