@@ -777,6 +777,19 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
     assert_same(ours[0].items, nonempty(theirs[0].items), "ShardedTensor load plan")
     assert any(i.dest_index.fqn == "st" for i in ours[0].items)
     assert any(i.dest_index.fqn == "part" for i in ours[0].items) == (rank < 2)
+    # A Partial placement cannot be saved: the same error as torch's.
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(2), meshes[world], [Partial()])
+    errors = []
+    for cls in (sdp.DefaultSavePlanner, tdp.DefaultSavePlanner):
+        p = cls()
+        p.set_up_planner({"p": partial}, None, rank == 0)
+        try:
+            p.create_local_plan()
+        except Exception as e:  # noqa: BLE001 (compared with torch's below)
+            errors.append((type(e), str(e)))
+    assert len(errors) == 2 and errors[0] == errors[1], errors
     return counts
 
 
