@@ -259,10 +259,10 @@ def test_malicious_metadata_is_refused(tmp_path):
     md = _load_md(tmp_path)
     md.planner_data = _Evil(str(marker))
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
-    _raised(StorageFormatError, r"system, which is not allowed",
+    _raised(StorageFormatError, r"system, which is not on the allowlist",
             FileSystemReader(tmp_path).read_metadata)
     # Through torch's load too (it reports the refusal inside its own error).
-    _raised(Exception, "not allowed", dcp.load, {"a": torch.zeros(3)},
+    _raised(Exception, "not on the allowlist", dcp.load, {"a": torch.zeros(3)},
             storage_reader=FileSystemReader(tmp_path))
     assert not marker.exists()
 

@@ -1,1 +1,61 @@
-"""torch.distributed.checkpoint drop-in (package marker; the API arrives later)."""
+"""A drop-in for ``torch.distributed.checkpoint`` (torch 2.13).
+
+    import shardstate.checkpoint as dcp
+    dcp.save(state_dict, checkpoint_id="/ckpt/step100")
+    dcp.load(state_dict, checkpoint_id="/ckpt/step100")
+
+Same names, signatures and on-disk format as torch's DCP; the bulk work runs
+in shardstate's C engine (parallel writes with CRC-32 in the same pass,
+verified reads straight into place), ``.metadata`` and bytes items are read
+with a restricted unpickler, and a checkpoint becomes visible only when its
+``.metadata`` is published atomically, last. Importing this package does
+not import torch.
+"""
+
+from ._pickle import PickleFormatError, UnsafePickleError
+from .api import CheckpointException
+from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from .filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
+from .metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .state_dict_loader import load, load_state_dict
+from .state_dict_saver import AsyncSaveResponse, async_save, save, save_state_dict
+from .stateful import Stateful
+from .storage import StorageReader, StorageWriter
+
+__all__ = [
+    "AsyncSaveResponse",
+    "BytesStorageMetadata",
+    "CheckpointException",
+    "ChunkStorageMetadata",
+    "DefaultLoadPlanner",
+    "DefaultSavePlanner",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "LoadPlan",
+    "LoadPlanner",
+    "Metadata",
+    "MetadataIndex",
+    "PickleFormatError",
+    "ReadItem",
+    "SavePlan",
+    "SavePlanner",
+    "Stateful",
+    "StorageFormatError",
+    "StorageReader",
+    "StorageWriter",
+    "TensorStorageMetadata",
+    "UnsafePickleError",
+    "WriteItem",
+    "async_save",
+    "load",
+    "load_state_dict",
+    "save",
+    "save_state_dict",
+]

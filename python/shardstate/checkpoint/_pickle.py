@@ -906,14 +906,18 @@ def _plain_globals() -> dict[tuple[str, str], Any]:
     return g
 
 
-_PLAIN_GLOBALS = _plain_globals()
+# Pure paths are inert values: admitted in bytes items (torch.save of a
+# config that holds a Path) as well as in .metadata (checkpoint_id).
+_PLAIN_GLOBALS = {
+    **_plain_globals(),
+    **{("pathlib", c): _Call(f"pathlib.{c}", _path_ctor(c))
+       for c in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")},
+}
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_PLAIN_GLOBALS,
     **{(_FS_MOD if n == "_StorageInfo" else _MD_MOD, n): p for n, p in _PROXIES.items()},
     (_MD_MOD, "_MEM_FORMAT_ENCODING"): _Call(f"{_MD_MOD}._MEM_FORMAT_ENCODING", _enum_ctor),
     ("torch.serialization", "_get_layout"): _Call("torch.serialization._get_layout", _layout_ctor),
-    **{("pathlib", c): _Call(f"pathlib.{c}", _path_ctor(c))
-       for c in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")},
 }
 
 

@@ -87,6 +87,14 @@ def numpy_dtype_name(dtype: np.dtype) -> str | None:
     return _NUMPY_TO_TORCH.get(dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype)
 
 
+_TORCH_TO_NUMPY = {v: k for k, v in _NUMPY_TO_TORCH.items()}
+
+
+def numpy_dtype(name: str) -> np.dtype | None:
+    """The NumPy dtype for 'torch.<name>', or None when NumPy has none."""
+    return _TORCH_TO_NUMPY.get(str(name))
+
+
 def is_saved_array(value: Any) -> bool:
     """An ndarray saved as a tensor (its dtype maps to a torch dtype)."""
     return isinstance(value, np.ndarray) and numpy_dtype_name(value.dtype) is not None

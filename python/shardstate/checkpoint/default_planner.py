@@ -588,49 +588,15 @@ def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]
 
 # -- bytes items ------------------------------------------------------------
 
-# Globals a plain-value pickle may name (protocol 2 pickles bytes, sets,
-# complex numbers and OrderedDicts through these).
-_PLAIN_GLOBALS = {
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"),
-    ("builtins", "bytearray"), ("builtins", "slice"), ("builtins", "range"),
-    ("_codecs", "encode"), ("collections", "OrderedDict"),
-}
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "__builtin__":  # protocol 2 names builtins the Python 2 way
-            module = "builtins"
-        if (module, name) in _PLAIN_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"bytes item refers to {module}.{name}; only plain Python values (numbers, "
-            "strings, bytes, lists, tuples, dicts, sets) are unpickled by default"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError(
-            "bytes item holds a tensor or storage; only plain Python values are unpickled "
-            "by default"
-        )
-
-
 def plain_loads(data: bytes) -> Any:
-    """Unpickle a bytes item (a torch.save archive) holding plain Python
-    values only: numbers, strings, bytes, None, and lists, tuples, dicts and
-    sets of them. Anything else raises ``pickle.UnpicklingError`` naming it;
-    no code from the archive runs."""
-    from ._zipfmt import RecordFormatError, _parse_zip
+    """Unpickle a bytes item (a torch.save archive) through the restricted
+    unpickler of :mod:`._pickle`: plain Python values, pure paths, torch
+    sizes/dtypes and NumPy arrays only. Anything else raises
+    ``UnsafePickleError`` (a ``pickle.UnpicklingError``) naming it; no code
+    from the archive runs."""
+    from ._pickle import loads_object
 
-    mv = memoryview(data).cast("B")
-    try:
-        _, entries = _parse_zip(mv)
-    except RecordFormatError as e:
-        raise pickle.UnpicklingError(f"bytes item is not a torch.save archive: {e}") from None
-    pk = next((e for e in entries if e.name == "data.pkl"), None)
-    if pk is None:
-        raise pickle.UnpicklingError("bytes item has no data.pkl record")
-    return _PlainUnpickler(io.BytesIO(mv[pk.data_offset:pk.data_offset + pk.size])).load()
+    return loads_object(data)
 
 
 def _init_state_dict(state_dict: dict[str, Any]) -> None:

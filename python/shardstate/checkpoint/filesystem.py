@@ -37,10 +37,9 @@ raise SIGBUS; adjacent small reads are not coalesced (the engine runs them
 in parallel); CUDA tensors are copied to the CPU, all of a rank's at once,
 before the write batch.
 
-Stopgap (to be replaced by ``shardstate.checkpoint._pickle``): ``.metadata``
-is written with ``pickle`` only when it holds torch's own classes, and read
-with a restricted unpickler that admits only the metadata classes, torch
-dtypes, ``torch.Size``, layouts and paths (``_load_metadata``).
+``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's bytes, no
+torch needed) and read by ``_pickle.loads_metadata`` (restricted); bytes
+items are checked with ``_pickle.loads_object`` before a planner sees them.
 
 Thread safety: one reader or writer instance serves one save or load at a
 time, as in torch.
@@ -53,7 +52,6 @@ import functools
 import io
 import mmap
 import os
-import pickle
 import stat
 import struct
 import sys
@@ -78,7 +76,15 @@ from ._zipfmt import (
     parse_record,
     plan_tensor_record,
 )
-from .metadata import StorageMeta, _StorageInfo
+from ._pickle import (
+    PickleFormatError,
+    UnsafePickleError,
+    dumps_metadata,
+    loads_metadata,
+    loads_object,
+)
+from .metadata import StorageMeta, _StorageInfo, to_torch_metadata
+from ._tensors import numpy_dtype, numpy_dtype_name
 from .planner import element_size
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 
@@ -123,249 +129,44 @@ def _torch() -> Any:
 
 
 # --------------------------------------------------------------------------
-# .metadata (stopgap until shardstate.checkpoint._pickle lands)
+# .metadata and bytes items: torch-free writer, restricted reader (_pickle)
 # --------------------------------------------------------------------------
-
-_TORCH_MD = "torch.distributed.checkpoint.metadata"
-_TORCH_FS = "torch.distributed.checkpoint.filesystem"
-
-
-def _is_torch_metadata(md: Any) -> bool:
-    return type(md).__module__ == _TORCH_MD
-
-
-def _to_torch_classes(md: Any) -> None:
-    """Swaps our _StorageInfo / StorageMeta in a torch Metadata for torch's
-    own, so it pickles under torch's class paths."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as TSI
-    from torch.distributed.checkpoint.metadata import StorageMeta as TSM
-
-    sd = {}
-    for k, v in (md.storage_data or {}).items():
-        if isinstance(v, _StorageInfo):
-            v = TSI(v.relative_path, v.offset, v.length, v.transform_descriptors)
-        sd[k] = v
-    md.storage_data = sd
-    sm = md.storage_meta
-    if isinstance(sm, StorageMeta):
-        md.storage_meta = TSM(sm.checkpoint_id, sm.save_id, sm.load_id, list(sm.modules))
 
 
 def _dump_metadata(md: Any) -> bytes:
-    """The ``.metadata`` bytes for ``md``. STOPGAP: pickles torch's own
-    Metadata with ``pickle`` (as torch does); shardstate's torch-free
-    Metadata needs ``shardstate.checkpoint._pickle.dumps_metadata``."""
-    if _is_torch_metadata(md):
-        _to_torch_classes(md)
-        return pickle.dumps(md, protocol=pickle.DEFAULT_PROTOCOL)
+    """The ``.metadata`` bytes for ``md`` (ours or torch's Metadata), exactly
+    as torch's pickle would write them, without needing torch."""
+    return dumps_metadata(md)
+
+
+def _load_metadata(data: bytes, path: str = _METADATA_FN, allow_unsafe: bool = False) -> Any:
+    """``.metadata`` through the restricted unpickler: only the metadata
+    classes, sizes, dtypes and plain containers are admitted."""
     try:
-        from ._pickle import dumps_metadata  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        raise NotImplementedError(
-            "writing shardstate's own Metadata needs shardstate.checkpoint._pickle "
-            "(not available yet); drive this writer with torch's Metadata"
-        ) from None
-    return bytes(dumps_metadata(md))
-
-
-_MD_CLASSES = {
-    "Metadata",
-    "TensorStorageMetadata",
-    "TensorProperties",
-    "_MEM_FORMAT_ENCODING",
-    "ChunkStorageMetadata",
-    "BytesStorageMetadata",
-    "MetadataIndex",
-    "StorageMeta",
-}
-_PATHS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
-_LAYOUTS = {"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc",
-            "torch.sparse_bsr", "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"}
-
-
-def _get_layout(name: object) -> Any:
-    """torch.serialization._get_layout, restricted to layout names."""
-    if type(name) is not str or name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"_get_layout({name!r}) is not a torch layout")
-    layout = getattr(_torch(), name[len("torch."):], None)
-    if layout is None:
-        raise pickle.UnpicklingError(f"this torch has no layout {name}")
-    return layout
-
-
-def _torch_dtype(name: str) -> Any:
-    torch = _torch()
-    obj = getattr(torch, name, None)
-    if not isinstance(obj, torch.dtype):
-        raise pickle.UnpicklingError(f"torch.{name} is not a torch dtype")
-    return obj
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """STOPGAP restricted unpickler for ``.metadata`` (to be replaced by
-    ``shardstate.checkpoint._pickle.loads_metadata``): only torch's metadata
-    classes, ``_StorageInfo``, ``torch.Size``, torch dtypes, layouts (through
-    a checked ``_get_layout``), pathlib paths and ``collections.OrderedDict``
-    are admitted; anything else raises ``pickle.UnpicklingError`` naming it,
-    before anything is called."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
-        module, name = _py3_name(module, name)
-        if module == _TORCH_MD and name in _MD_CLASSES:
-            return getattr(importlib.import_module(module), name)
-        if module == _TORCH_FS and name == "_StorageInfo":
-            return getattr(importlib.import_module(module), name)
-        if module == "torch" and name == "Size":
-            return _torch().Size
-        if module == "torch":
-            return _torch_dtype(name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return _get_layout
-        if module == "pathlib" and name in _PATHS:
-            import pathlib
-
-            return getattr(pathlib, name)
-        if module == "collections" and name == "OrderedDict":
-            import collections
-
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(
-            f".metadata references {module}.{name}, which is not allowed in checkpoint metadata"
-        )
-
-
-def _load_metadata(data: bytes, path: str = _METADATA_FN) -> Any:
-    """Restricted load of ``.metadata`` (STOPGAP, see _MetadataUnpickler)."""
-    try:
-        from ._pickle import loads_metadata  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        loads_metadata = None
-    if loads_metadata is not None:
-        return loads_metadata(data)
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        return loads_metadata(data, allow_unsafe=allow_unsafe)
+    except (UnsafePickleError, PickleFormatError) as e:
         raise StorageFormatError(f"{path}: refused or malformed checkpoint metadata: {e}") from e
-    if type(md).__name__ != "Metadata" or type(md).__module__ != _TORCH_MD:
-        raise StorageFormatError(f"{path}: holds a {type(md).__name__}, not a Metadata")
-    return md
-
-
-# --------------------------------------------------------------------------
-# Bytes items: restricted check of a record's pickle before it is loaded
-# --------------------------------------------------------------------------
-
-_BYTES_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "bytearray"),
-    ("builtins", "complex"),
-    ("builtins", "slice"),
-    ("builtins", "range"),
-    ("_codecs", "encode"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_tensor_v3"),
-    ("torch._utils", "_rebuild_parameter"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-} | {("pathlib", n) for n in _PATHS}
-
-
-def _allowed_bytes_global(module: str, name: str) -> bool:
-    if (module, name) in _BYTES_GLOBALS:
-        return True
-    if module == "torch" and (name.endswith("Storage") or name.isidentifier()):
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            obj = getattr(torch, name, None)
-            return isinstance(obj, torch.dtype) or (
-                name.endswith("Storage") and isinstance(obj, type)
-            )
-    if module == "numpy.dtypes" and name.endswith("DType"):
-        return True
-    return False
-
-
-class _Inert:
-    """Stands for every object a checked pickle builds; accepts any state."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, v: Any) -> None:
-        pass
-
-    def extend(self, v: Any) -> None:
-        pass
-
-
-def _py3_name(module: str, name: str) -> tuple[str, str]:
-    """Python 2 names in protocol < 3 pickles (``__builtin__.set``) mapped as
-    pickle's own find_class maps them."""
-    import _compat_pickle
-
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
-class _CheckingUnpickler(pickle.Unpickler):
-    """Walks a pickle with every allowed global replaced by an inert class:
-    nothing is imported or called. Any other global raises."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        module, name = _py3_name(module, name)
-        if not _allowed_bytes_global(module, name):
-            raise pickle.UnpicklingError(
-                f"references {module}.{name}, which is not allowed in a checkpoint item "
-                "(pass unsafe_unpickle=True to FileSystemReader to load it anyway)"
-            )
-        return type(name, (_Inert,), {})
-
-    def persistent_load(self, pid: Any) -> Any:
-        return _Inert()
 
 
 def _check_bytes_record(record: bytes, where: str) -> None:
-    """Checks a bytes item (a torch.save zip): every entry's CRC-32 and the
-    globals its data.pkl uses. Raises ChecksumError or StorageFormatError."""
+    """Checks a bytes item (a torch.save zip) before any planner sees it:
+    every entry's CRC-32, then a restricted load of its pickle (the same
+    allowlist our planner's load_bytes uses). Raises ChecksumError or
+    StorageFormatError; nothing from a refused item is imported or called."""
     try:
         zf = zipfile.ZipFile(io.BytesIO(record))
-        names = zf.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl")]
-        if len(pkl) != 1:
-            raise StorageFormatError(f"{where}: bytes item has no single data.pkl")
-        for n in names:
+        for n in zf.namelist():
             zf.read(n)  # zipfile checks each entry's CRC-32
-        data = zf.read(pkl[0])
     except zipfile.BadZipFile as e:
         if "CRC" in str(e):
             raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
         raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
     try:
-        _CheckingUnpickler(io.BytesIO(data)).load()
-    except Exception as e:  # any failure of the walk means "not admitted"
-        raise StorageFormatError(f"{where}: bytes item refused: {e}") from e
+        loads_object(record)
+    except (UnsafePickleError, PickleFormatError) as e:
+        raise StorageFormatError(
+            f"{where}: bytes item refused: {e} (pass unsafe_unpickle=True to "
+            "FileSystemReader to load it anyway)") from e
 
 
 # --------------------------------------------------------------------------
@@ -409,8 +210,27 @@ def _storage_bytes(t: Any) -> np.ndarray:
 
 
 def _region_bytes(t: Any) -> np.ndarray:
-    """A writable zero-copy uint8 view of a contiguous CPU tensor's elements."""
+    """A writable zero-copy uint8 view of a contiguous CPU tensor's (or
+    ndarray's) elements."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1).view(np.uint8)
     return t.reshape(-1).view(_torch().uint8).numpy()
+
+
+def _numpy_region(rec: Any, data: np.ndarray, offsets: Any, lengths: Any) -> np.ndarray:
+    """The box offsets/lengths of a record's data, as a NumPy view of the
+    scratch bytes (for NumPy destinations, without torch)."""
+    dt = numpy_dtype(f"torch.{rec.dtype}")
+    if dt is None:
+        raise StorageFormatError(
+            f"a {rec.dtype} tensor cannot be loaded into a NumPy array (NumPy has no such "
+            "dtype); load it into a torch tensor")
+    if not data.nbytes:
+        src = np.empty(rec.shape, dt)
+    else:
+        src = np.ndarray(rec.shape, dt, buffer=data, offset=rec.storage_offset * dt.itemsize,
+                         strides=[st * dt.itemsize for st in rec.stride])
+    return src[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets, lengths))]
 
 
 def _prepare_tensor(t: Any) -> Any:
@@ -429,6 +249,22 @@ def _prepare_tensor(t: Any) -> Any:
     if t.storage_offset() != 0:  # overlapping strides over an exact storage
         t = t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.ndarray]:
+    """(dtype name, shape, stride, storage numel, the bytes to write) for a
+    tensor item's value: a torch tensor (prepared as torch's writer would)
+    or, for NumPy state without torch, an ndarray written as the contiguous
+    tensor of the dtype the planner recorded."""
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        stride = tuple(s // arr.itemsize for s in arr.strides) if arr.size else \
+            tuple(int(np.prod(arr.shape[i + 1:])) for i in range(arr.ndim))
+        return (str(item.tensor_data.properties.dtype), arr.shape, stride, arr.size,
+                arr.reshape(-1).view(np.uint8))
+    t = _prepare_tensor(value)
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()),
+            t.untyped_storage().nbytes() // t.element_size(), _storage_bytes(t))
 
 
 class _Trailer:
@@ -508,7 +344,9 @@ def _uses_overlapping_loader(thread_count: int, copy_ahead: int) -> bool:
     with one thread, an accelerator present and copy-ahead on."""
     if thread_count != 1 or copy_ahead <= 0:
         return False
-    torch = _torch()
+    torch = sys.modules.get("torch")
+    if torch is None:  # NumPy-only state: no accelerator can hold it
+        return False
     if torch.cuda.is_available():
         return True
     name = torch._C._get_privateuse1_backend_name()
@@ -659,14 +497,12 @@ class FileSystemWriter(StorageWriter):
                 results.append(_result(item, name, cursor, buf.nbytes))
                 cursor += buf.nbytes
             for item in tensor_items:
-                t = _prepare_tensor(planner.resolve_data(item))
-                keep.append(t)
-                rec, trailer = _record_plan(
-                    str(t.dtype), tuple(t.shape), tuple(t.stride()),
-                    t.untyped_storage().nbytes() // t.element_size(),
-                )
+                dtype, shape, stride, numel, data = _record_source(
+                    planner.resolve_data(item), item)
+                keep.append(data)
+                rec, trailer = _record_plan(dtype, shape, stride, numel)
                 jobs.append(ssio.WriteJob(path, cursor, rec.header))
-                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, _storage_bytes(t)))
+                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, data))
                 trailers.append(
                     _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, trailer,
                                     len(jobs) - 1)
@@ -734,6 +570,12 @@ class FileSystemWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _validate_checkpoint_id(checkpoint_id)
+
+
+def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
+    """A MetadataIndex (torch's or ours) as a plain hashable key."""
+    off = index.offset
+    return (index.fqn, None if off is None else tuple(off))
 
 
 def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
@@ -884,27 +726,26 @@ class FileSystemReader(StorageReader):
             data = f.read(st.st_size + 1)
         if len(data) != st.st_size:
             raise StorageFormatError(f"{path} changed size while being read")
-        md = _load_metadata(data, os.fspath(path))
-        if getattr(md, "storage_meta", None) is None:
-            if _is_torch_metadata(md):
-                from torch.distributed.checkpoint.metadata import StorageMeta as TSM
-
-                md.storage_meta = TSM()
-            else:
-                md.storage_meta = StorageMeta()
+        md = _load_metadata(data, os.fspath(path), self.unsafe_unpickle)
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
-        return md
+        # torch's planners check metadata classes with isinstance; ours
+        # accept either, so hand out torch's whenever torch is loaded.
+        return to_torch_metadata(md) if "torch" in sys.modules else md
 
     def set_up_storage_reader(
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        self.storage_data = metadata.storage_data
+        if metadata.storage_data is None:
+            raise StorageFormatError(f"{self.path}: metadata has no storage_data")
+        # Keyed by (fqn, offset) so plans made with torch's MetadataIndex and
+        # with ours find the same entries (the two classes never compare equal).
+        self.storage_data = {_index_key(k): v for k, v in metadata.storage_data.items()}
         self._metadata = metadata
         self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
-        if self.storage_data is None:
-            raise StorageFormatError(f"{self.path}: metadata has no storage_data")
 
     def prepare_local_plan(self, plan: Any) -> Any:
         return plan
@@ -954,7 +795,7 @@ class FileSystemReader(StorageReader):
         reqs = []
         for item in plan.items:
             try:
-                info = self.storage_data[item.storage_index]
+                info = self.storage_data[_index_key(item.storage_index)]
             except KeyError:
                 raise StorageFormatError(
                     f"{self.path}: no storage entry for {item.storage_index}"
@@ -1086,7 +927,9 @@ class FileSystemReader(StorageReader):
         direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
         staged: list[tuple[_Req, _Rec, Any]] = []
         for r, rec in zip(reqs, infos):
-            dest = planner.resolve_tensor(r.item).detach()
+            dest = planner.resolve_tensor(r.item)
+            if not isinstance(dest, np.ndarray):
+                dest = dest.detach()
             lengths = tuple(int(n) for n in r.item.lengths)
             offs = tuple(int(o) for o in r.item.storage_offsets)
             if tuple(dest.shape) != lengths:
@@ -1102,7 +945,11 @@ class FileSystemReader(StorageReader):
                     f"saved chunk of shape {rec.shape}"
                 )
             span = None
-            if (
+            if isinstance(dest, np.ndarray):
+                if (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"
+                        and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}"):
+                    span = _slab(rec, offs, lengths, dest.itemsize)
+            elif (
                 dest.device.type == "cpu"
                 and str(dest.dtype) == f"torch.{rec.dtype}"
                 and dest.is_contiguous()
@@ -1175,7 +1022,7 @@ class FileSystemReader(StorageReader):
         """Items that need a copy (strided records or destinations, another
         dtype or device): each record's storage is read whole (so its CRC is
         checked) into scratch, in batches of bounded size, then copied."""
-        torch = _torch()
+        torch = sys.modules.get("torch")  # loaded whenever a destination is a tensor
         k = 0
         while k < len(items):
             n, used = 0, 0
@@ -1194,6 +1041,10 @@ class FileSystemReader(StorageReader):
             ]
             self._run(jobs, [(r, rec) for r, rec, _d in batch if rec.data_length])
             for (r, rec, dest), s in zip(batch, scratch):
+                if isinstance(dest, np.ndarray):
+                    dest[...] = _numpy_region(rec, s, r.item.storage_offsets, r.item.lengths)
+                    planner.commit_tensor(r.item, dest)
+                    continue
                 dt = getattr(torch, rec.dtype)
                 src = torch.from_numpy(s).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
                 src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
