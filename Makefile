@@ -60,8 +60,14 @@ asan-test: $(STAMP)
 	    $(PY) -m pytest -q -p no:cacheprovider tests; st=$$?; \
 	    $(PY) setup.py -q build_ext --inplace --force; exit $$st
 
+# Save with 2 ranks, resume with 3 (another placement), verify every element.
+DEMO_DIR ?= build/demo-checkpoint
+DEMO_GIB ?= 1.5
 demo: build
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/demo.py
+	rm -rf $(DEMO_DIR)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/demo.py save --dir $(DEMO_DIR) --gib $(DEMO_GIB)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=3 scripts/demo.py resume --dir $(DEMO_DIR) --gib $(DEMO_GIB)
+	rm -rf $(DEMO_DIR)
 
 bench: build
 	$(PY) benchmarks/bench_io.py

@@ -1,0 +1,225 @@
+"""shardstate.checkpoint against torch.distributed.checkpoint, side by side.
+
+    python benchmarks/bench_checkpoint.py [--gib 2] [--repeat 3] [--dirs /dev/shm build/bench]
+
+A state dict shaped like a transformer with its Adam state (a few large and
+many small tensors; weights and both moments sharded as DTensor Shard(0)
+over the ranks, plus replicated scalars), about --gib GiB in total over 2
+ranks. For each directory, in one run, torch DCP and shardstate take turns:
+
+  save            2 ranks save                       (median wall time)
+  load            2 ranks load what they saved
+  reshard 2->1    saved by 2 ranks, loaded by 1
+  reshard 2->3    saved by 2 ranks, loaded by 3
+  async block     time async_save takes to return (staging), 2 ranks
+  load extra RSS  peak RSS during load above the state dict's own size
+
+and prints a table with one ratio line per target. Each measurement runs in
+fresh processes (gloo) through shardstate.testing.run_distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+from shardstate.testing import run_distributed  # noqa: E402
+
+
+def _impl(name: str):
+    if name == "torch":
+        import torch.distributed.checkpoint as dcp
+    else:
+        import shardstate.checkpoint as dcp
+    return dcp
+
+
+def _shapes(total_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter shapes of a small transformer scaled to total_bytes with Adam
+    (weights + 2 moments, float32)."""
+    d = 1024
+    vocab = 32000
+    per_layer = [("attn.qkv", (3 * d, d)), ("attn.out", (d, d)), ("mlp.up", (4 * d, d)),
+                 ("mlp.down", (d, 4 * d)), ("ln1.weight", (d,)), ("ln1.bias", (d,)),
+                 ("ln2.weight", (d,)), ("ln2.bias", (d,)), ("mlp.up_bias", (4 * d,))]
+    layer_bytes = sum(4 * _numel(s) for _, s in per_layer) * 3
+    embed_bytes = 4 * vocab * d * 3
+    layers = max(1, (total_bytes - 2 * embed_bytes) // layer_bytes)
+    shapes = [("embed.weight", (vocab, d)), ("lm_head.weight", (vocab, d))]
+    for i in range(layers):
+        shapes += [(f"layers.{i}.{n}", s) for n, s in per_layer]
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _state(total_bytes: int, seed: int, empty: bool = False) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(seed)
+    model, optim = {}, {}
+    for name, shape in _shapes(total_bytes):
+        def make() -> torch.Tensor:
+            full = torch.zeros(shape) if empty else torch.randn(shape, generator=g)
+            return distribute_tensor(full, mesh, [Shard(0)])
+        model[name] = make()
+        optim[name] = {"exp_avg": make(), "exp_avg_sq": make(), "step": torch.tensor(10.0)}
+    return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 1e-3}]}}
+
+
+def _local_bytes(sd: dict) -> int:
+    import torch
+
+    total = 0
+    stack = [sd]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _rss_peak_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _do_save(rank, world, impl, path, total_bytes, use_async):
+    import torch.distributed as dist
+
+    dcp = _impl(impl)
+    sd = _state(total_bytes, seed=1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if use_async:
+        fut = dcp.async_save(sd, checkpoint_id=path)
+        blocked = time.perf_counter() - t0
+        fut.result()
+        dist.barrier()
+        return blocked
+    dcp.save(sd, checkpoint_id=path)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _do_load(rank, world, impl, path, total_bytes, check):
+    import torch
+    import torch.distributed as dist
+
+    dcp = _impl(impl)
+    sd = _state(total_bytes, seed=0, empty=True)
+    state_bytes = _local_bytes(sd)
+    dist.barrier()
+    base = _rss_now()
+    _rss_peak_reset()
+    t0 = time.perf_counter()
+    dcp.load(sd, checkpoint_id=path)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    extra = max(0, _rss_peak() - base)
+    if check:
+        ref = _state(total_bytes, seed=1)
+        for name, t in sd["model"].items():
+            if not torch.equal(t.to_local(), ref["model"][name].to_local()):
+                raise AssertionError(f"{impl}: {name} differs after load")
+    return elapsed, extra, state_bytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dirs", nargs="+",
+                    default=["/dev/shm", os.path.join(HERE, "..", "build", "bench")])
+    args = ap.parse_args()
+    total = int(args.gib * (1 << 30))
+    impls = ["torch", "shardstate"]
+    print(f"state: {len(_shapes(total))} parameters + Adam, {total / 2**30:.2f} GiB over 2 ranks; "
+          f"median of {args.repeat}")
+
+    for d in args.dirs:
+        base = os.path.abspath(os.path.join(d, "shardstate-bench-ckpt"))
+        res: dict[str, dict[str, list[float]]] = {i: {} for i in impls}
+        for _ in range(args.repeat):
+            for impl in impls:
+                path = f"{base}-{impl}"
+                shutil.rmtree(path, ignore_errors=True)
+                r = res[impl]
+                r.setdefault("save", []).append(max(run_distributed(
+                    _do_save, 2, impl, path, total, False, timeout=900)))
+                out = run_distributed(_do_load, 2, impl, path, total, False, timeout=900)
+                r.setdefault("load", []).append(max(o[0] for o in out))
+                r.setdefault("load extra RSS / state", []).append(
+                    max(o[1] / o[2] for o in out))
+                for m in (1, 3):
+                    out = run_distributed(_do_load, m, impl, path, total, False, timeout=900)
+                    r.setdefault(f"reshard 2->{m}", []).append(max(o[0] for o in out))
+                shutil.rmtree(path, ignore_errors=True)
+                r.setdefault("async block", []).append(max(run_distributed(
+                    _do_save, 2, impl, path, total, True, timeout=900)))
+                shutil.rmtree(path, ignore_errors=True)
+        # one verified load per implementation, outside the timings
+        for impl in impls:
+            path = f"{base}-{impl}"
+            run_distributed(_do_save, 2, impl, path, total, False, timeout=900)
+            run_distributed(_do_load, 3, impl, path, total, True, timeout=900)
+            shutil.rmtree(path, ignore_errors=True)
+
+        print(f"\n{os.path.abspath(d)}")
+        print(f"  {'':<24}{'torch':>10}{'shardstate':>12}{'speedup':>10}")
+        med = {i: {k: statistics.median(v) for k, v in res[i].items()} for i in impls}
+        for k in med["torch"]:
+            t, s = med["torch"][k], med["shardstate"][k]
+            unit = "" if "RSS" in k else " s"
+            sp = (t / s) if s > 0 else float("inf")
+            print(f"  {k + unit:<24}{t:>10.3f}{s:>12.3f}{sp:>9.2f}x")
+        for k, target in (("save", 3), ("load", 3), ("reshard 2->1", 3), ("reshard 2->3", 3),
+                          ("async block", 3)):
+            ratio = med["torch"][k] / med["shardstate"][k]
+            print(f"  ratio {k:<14} torch/shardstate {ratio:6.2f}  (target >= {target}) "
+                  f"{'ok' if ratio >= target else 'MISS'}")
+        extra = med["shardstate"]["load extra RSS / state"]
+        print(f"  shardstate load extra RSS {extra:6.1%} of the state (target <= 10%) "
+              f"{'ok' if extra <= 0.10 else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
