@@ -56,7 +56,17 @@ _pools_lock = threading.Lock()
 
 
 def _default_threads() -> int:
-    return min(8, os.cpu_count() or 1)
+    """The CPUs this process may use, shared with the other ranks on this
+    node (torchrun's LOCAL_WORLD_SIZE), at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(8, cpus // local))
 
 
 def _pool_for(pool: ThreadPool | None, threads: int | None) -> ThreadPool | None:

@@ -77,6 +77,9 @@ def _child(
     # Stack dumps on request from the parent when the run times out.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # What torchrun tells each rank about its node (all ranks are local here).
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     import datetime
 
     import torch
