@@ -45,6 +45,9 @@ _GLOBALS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "b": ((13,), torch.float64),
     "c": ((6, 7), torch.int64),
     "h": ((5, 3), torch.bfloat16),
+    "e": ((2, 3), torch.int16),  # empty shards on ranks 2 and 3 along dim 0
+    "z": ((0, 4), torch.float32),  # no elements at all
+    "k": ((3, 6), torch.bool),
 }
 # key -> (global tensor, placement saved, placement loaded)
 _CASES: dict[str, tuple[str, str, str]] = {
@@ -55,6 +58,10 @@ _CASES: dict[str, tuple[str, str, str]] = {
     "b_r": ("b", "r", "s0"),
     "c_s1": ("c", "s1", "s0"),
     "h_s0": ("h", "s0", "s1"),
+    "e_s0": ("e", "s0", "s1"),
+    "e_s1": ("e", "s1", "s0"),
+    "z_s0": ("z", "s0", "r"),
+    "k_s1": ("k", "s1", "s0"),
 }
 
 
@@ -63,7 +70,10 @@ def _global(name: str) -> torch.Tensor:
     n = 1
     for s in shape:
         n *= s
-    return (torch.arange(n, dtype=torch.float64).reshape(shape) * 0.5 - 3).to(dtype)
+    values = torch.arange(n, dtype=torch.float64).reshape(shape)
+    if dtype == torch.bool:
+        return (values % 3) == 1
+    return (values * 0.5 - 3).to(dtype)
 
 
 def _placement(code: str) -> Any:
@@ -85,8 +95,9 @@ def _dist_sd(world: int, rank: int, which: int, zero: bool) -> dict:
     sd: dict = {}
     for key, case in _CASES.items():
         g = _global(case[0])
+        # src_data_rank=None: every rank cuts its own shard (gloo can't scatter bool)
         sd[key] = distribute_tensor(torch.zeros_like(g) if zero else g, mesh,
-                                    [_placement(case[which])])
+                                    [_placement(case[which])], src_data_rank=None)
     plain = torch.arange(10, dtype=torch.int32)
     sd["plain"] = torch.zeros_like(plain) if zero else plain
     sd["nested"] = {"lr": None if zero else 0.25,
@@ -97,9 +108,14 @@ def _dist_sd(world: int, rank: int, which: int, zero: bool) -> dict:
 
 
 def _check_loaded(sd: dict, where: str) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
     for key, case in _CASES.items():
-        got = sd[key].full_tensor()
-        want = _global(case[0])
+        got = sd[key]
+        want = distribute_tensor(_global(case[0]), got.device_mesh, got.placements,
+                                 src_data_rank=None)
+        assert got.placements == want.placements and got.shape == want.shape, f"{where}: {key}"
+        got, want = got.to_local(), want.to_local()
         assert got.dtype == want.dtype and torch.equal(got, want), f"{where}: {key}"
     assert torch.equal(sd["plain"], torch.arange(10, dtype=torch.int32)), where
     assert sd["nested"]["lr"] == 0.25 and sd["step"] == 11, where
@@ -256,6 +272,17 @@ def _errors(rank: int, world: int, root: str) -> dict:
     dcp.load({"st": st}, checkpoint_id=f"{root}/st_t")
     res["st_resaved"] = _sharded_equal(st)
 
+    # async_save of DTensors: the shards are changed once staging returns.
+    live = {"w": distribute_tensor(_global("a"), mesh, [Shard(1)]), "step": 3}
+    fut = dcp.async_save(live, checkpoint_id=f"{root}/async")
+    assert fut.staging_completion.done()
+    live["w"].to_local().add_(1000)
+    live["step"] = 4
+    fut.result(timeout=60)
+    back = {"w": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]), "step": None}
+    tdcp.load(back, checkpoint_id=f"{root}/async")
+    res["async"] = torch.equal(back["w"].full_tensor(), _global("a")) and back["step"] == 3
+
     # Corrupt one byte of rank 1's shard of "w": every rank fails, naming it.
     dist.barrier()
     if rank == 0:
@@ -293,6 +320,7 @@ def test_failures_reach_every_rank(tmp_path, run_distributed):
         assert res["st_torch.distributed.checkpoint.state_dict_loader"], rank
         assert res["st_shardstate.checkpoint.state_dict_loader"], rank
         assert res["st_resaved"], rank
+        assert res["async"], rank
         ranks, text = res["corrupt"]
         assert ranks and "ChecksumError" in text and "'w'" in text and corrupted in text, text
 
@@ -342,6 +370,8 @@ def _rich_sd() -> dict:
         "transposed": big.t(),
         "sliced": big[1:5, 2:7],
         "stepped": big[:, ::3],
+        "c64": torch.randn(3, 2, dtype=torch.complex64),
+        "param": torch.nn.Parameter(torch.linspace(0, 1, 6).reshape(2, 3)),
         "np": np.arange(12, dtype=np.float32).reshape(3, 4),
         "np_i": np.array([[1, 2], [3, 4]], dtype=np.int64),
         "int": 7, "str": "adam", "list": [1, "two", 3.0], "path": Path("/data/x"),
@@ -552,3 +582,17 @@ def test_save_over_existing_checkpoint(tmp_path):
     back = {"w": torch.zeros(4)}
     tdcp.load(back, checkpoint_id=tmp_path)
     assert torch.equal(back["w"], torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("single_file, threads", [(False, 1), (True, 3)])
+def test_loads_torch_checkpoints_of_any_layout(tmp_path, single_file, threads):
+    sd = _rich_sd()
+    sd = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in sd.items()}
+    tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(
+        tmp_path, single_file_per_rank=single_file, thread_count=threads))
+    out = _blank(sd)
+    out["param"] = torch.nn.Parameter(torch.zeros(2, 3))
+    dest = out["param"]
+    dcp.load(out, checkpoint_id=tmp_path)
+    _same(out, sd)
+    assert out["param"] is dest and dest.requires_grad  # filled in place
