@@ -62,6 +62,8 @@ _CASES: dict[str, tuple[str, str, str]] = {
     "e_s1": ("e", "s1", "s0"),
     "z_s0": ("z", "s0", "r"),
     "k_s1": ("k", "s1", "s0"),
+    "a_t": ("a", "s0", "t"),  # "t": a plain tensor holding the whole value
+    "b_t": ("b", "t", "s0"),
 }
 
 
@@ -95,9 +97,12 @@ def _dist_sd(world: int, rank: int, which: int, zero: bool) -> dict:
     sd: dict = {}
     for key, case in _CASES.items():
         g = _global(case[0])
+        g = torch.zeros_like(g) if zero else g
+        if case[which] == "t":
+            sd[key] = g
+            continue
         # src_data_rank=None: every rank cuts its own shard (gloo can't scatter bool)
-        sd[key] = distribute_tensor(torch.zeros_like(g) if zero else g, mesh,
-                                    [_placement(case[which])], src_data_rank=None)
+        sd[key] = distribute_tensor(g, mesh, [_placement(case[which])], src_data_rank=None)
     plain = torch.arange(10, dtype=torch.int32)
     sd["plain"] = torch.zeros_like(plain) if zero else plain
     sd["nested"] = {"lr": None if zero else 0.25,
@@ -107,11 +112,16 @@ def _dist_sd(world: int, rank: int, which: int, zero: bool) -> dict:
     return sd
 
 
-def _check_loaded(sd: dict, where: str) -> None:
+def _check_loaded(sd: dict, where: str, which: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     for key, case in _CASES.items():
         got = sd[key]
+        if case[which] == "t":
+            want = _global(case[0])
+            assert type(got) is torch.Tensor and got.dtype == want.dtype, f"{where}: {key}"
+            assert torch.equal(got, want), f"{where}: {key}"
+            continue
         want = distribute_tensor(_global(case[0]), got.device_mesh, got.placements,
                                  src_data_rank=None)
         assert got.placements == want.placements and got.shape == want.shape, f"{where}: {key}"
@@ -155,11 +165,32 @@ def _save_at(rank: int, world: int, root: str) -> list[str]:
     dist.barrier()
     if rank == 0:
         _compare_with_torch(Path(root, f"ss_{world}"), Path(root, f"t_{world}"))
+    # Replicated items written by the lowest rank, and saves without
+    # collectives (every rank writes its own __{rank}.metadata): as torch.
+    for name, kw, tkw in (
+            ("low", {"planner": dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)},
+             {"planner": tdcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)}),
+            ("nc", {"use_collectives": False}, {"use_collectives": False})):
+        dcp.save(sd, checkpoint_id=f"{root}/ss_{name}_{world}", **kw)
+        tdcp.save(sd, checkpoint_id=f"{root}/t_{name}_{world}", **tkw)
+    dist.barrier()
+    if rank == 0:
+        _compare_with_torch(Path(root, f"ss_low_{world}"), Path(root, f"t_low_{world}"))
+        ours, theirs = Path(root, f"ss_nc_{world}"), Path(root, f"t_nc_{world}")
+        assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+        assert f"__{world - 1}.metadata" in os.listdir(ours)
+        for n in os.listdir(ours):
+            if n.endswith(".distcp"):
+                assert (ours / n).read_bytes() == (theirs / n).read_bytes(), n
+            else:
+                a, b = (loads_metadata((d / n).read_bytes()) for d in (ours, theirs))
+                assert a.state_dict_metadata == b.state_dict_metadata, n
+                assert a.storage_data == b.storage_data, n
     # Round trip at the same world size and placements.
     out = _dist_sd(world, rank, 1, zero=True)
     out[f"only_{rank}"] = torch.zeros(6)
     dcp.load(out, checkpoint_id=Path(root, f"ss_{world}"))
-    _check_loaded(out, f"round trip at {world}")
+    _check_loaded(out, f"round trip at {world}", 1)
     assert torch.equal(out[f"only_{rank}"], _rank_only(rank))
     return sorted(md.state_dict_metadata)
 
@@ -174,7 +205,7 @@ def _load_at(rank: int, world: int, root: str) -> int:
             out[f"only_{src_rank}"] = torch.zeros(6)
             load(out, checkpoint_id=f"{root}/{src}_{saved}")
             where = f"{load.__module__} load of {src}_{saved} at {world}"
-            _check_loaded(out, where)
+            _check_loaded(out, where, 2)
             assert torch.equal(out[f"only_{src_rank}"], _rank_only(src_rank)), where
             loads += 1
     return loads
@@ -192,7 +223,8 @@ def test_reshard_matrix_against_torch(tmp_path, run_distributed):
 
 
 # ---------------------------------------------------------------------------
-# Failures across ranks, corruption, ShardedTensor (one world-2 run)
+# Failures across ranks, corruption, ShardedTensor, async_save, process
+# groups (one world-3 run)
 # ---------------------------------------------------------------------------
 
 class _RaisingLoadPlanner(dcp.DefaultLoadPlanner):
@@ -283,15 +315,46 @@ def _errors(rank: int, world: int, root: str) -> dict:
     tdcp.load(back, checkpoint_id=f"{root}/async")
     res["async"] = torch.equal(back["w"].full_tensor(), _global("a")) and back["step"] == 3
 
+    # process_group: ranks 1 and 2 save and load as group ranks 0 and 1,
+    # while rank 0 saves on its own (no_dist).
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        mine = {"x": torch.arange(4.0), "n": "solo"}
+        dcp.save(mine, checkpoint_id=f"{root}/solo", no_dist=True)
+        tdcp.save(mine, checkpoint_id=f"{root}/solo_t", no_dist=True)
+        _compare_with_torch(Path(root, "solo"), Path(root, "solo_t"))
+        back = {"x": torch.zeros(4), "n": None}
+        dcp.load(back, checkpoint_id=f"{root}/solo", no_dist=True)
+        res["group"] = torch.equal(back["x"], mine["x"]) and back["n"] == "solo"
+    else:
+        grank = rank - 1
+        mine = {f"x{grank}": torch.full((4,), float(rank)), "shared": torch.arange(5)}
+        dcp.save(mine, checkpoint_id=f"{root}/sub", process_group=group)
+        tdcp.save(mine, checkpoint_id=f"{root}/sub_t", process_group=group)
+        dist.barrier(group=group)
+        if grank == 0:
+            _compare_with_torch(Path(root, "sub"), Path(root, "sub_t"))
+            assert sorted(os.listdir(f"{root}/sub")) == [".metadata", "__0_0.distcp",
+                                                         "__1_0.distcp"]
+        other = 1 - grank
+        ok_all = True
+        for load, src in ((dcp.load, "sub_t"), (tdcp.load, "sub"), (dcp.load, "sub")):
+            back = {f"x{other}": torch.zeros(4), "shared": torch.zeros(5, dtype=torch.int64)}
+            load(back, checkpoint_id=f"{root}/{src}", process_group=group)
+            ok_all &= torch.equal(back[f"x{other}"], torch.full((4,), float(other + 1)))
+            ok_all &= torch.equal(back["shared"], torch.arange(5))
+        res["group"] = ok_all
+    dist.barrier()
+
     # Corrupt one byte of rank 1's shard of "w": every rank fails, naming it.
     dist.barrier()
     if rank == 0:
         md = pickle.loads(Path(ok, ".metadata").read_bytes())
         (idx, info), = [(i, s) for i, s in md.storage_data.items()
-                        if i.fqn == "w" and i.offset[0] > 0]
+                        if i.fqn == "w" and i.offset[0] == 3]
         path = Path(ok, info.relative_path)
         raw = bytearray(path.read_bytes())
-        data = _global("a")[idx.offset[0]:].numpy().tobytes()
+        data = _global("a")[3:6].numpy().tobytes()  # rank 1 holds rows 3..5
         pos = bytes(raw[info.offset:info.offset + info.length]).find(data)
         assert pos > 0
         raw[info.offset + pos + len(data) // 2] ^= 0x10
@@ -304,13 +367,13 @@ def _errors(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.distributed_timeout(120)
 def test_failures_reach_every_rank(tmp_path, run_distributed):
-    results = run_distributed(_errors, 2, str(tmp_path))
+    results = run_distributed(_errors, 3, str(tmp_path))
     corrupted = results[0]["corrupted_file"]
     for rank, res in enumerate(results):
         ranks, text = res["missing"]
-        assert ranks == [0, 1] and "nope" in text, text
+        assert ranks == [0, 1, 2] and "nope" in text, text
         ranks, text = res["shape"]
-        assert ranks == [0, 1] and "ValueError" in text, text
+        assert ranks == [0, 1, 2] and "ValueError" in text, text
         assert "'x' with shape (3,), the destination has shape (4,)" in text, text
         ranks, text = res["planner"]
         assert ranks == [1] and "load planner refused on rank 1" in text, text
@@ -321,6 +384,7 @@ def test_failures_reach_every_rank(tmp_path, run_distributed):
         assert res["st_shardstate.checkpoint.state_dict_loader"], rank
         assert res["st_resaved"], rank
         assert res["async"], rank
+        assert res["group"], rank
         ranks, text = res["corrupt"]
         assert ranks and "ChecksumError" in text and "'w'" in text and corrupted in text, text
 
