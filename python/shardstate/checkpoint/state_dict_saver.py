@@ -7,7 +7,7 @@ import inspect
 import os
 import threading
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from ._dist import _Coordinator
@@ -136,6 +136,10 @@ class AsyncSaveResponse(Future):
 # their collectives never interleave with the training loop's.
 _async_groups: dict[Any, Any] = {}
 _async_groups_lock = threading.Lock()
+# The last background save started on each private group. A new one waits
+# for it: two saves running at once would issue their collectives on the
+# shared group in an order that can differ between ranks, and hang.
+_async_last: dict[Any, Future] = {}
 
 
 def _async_group(process_group: Any) -> Any:
@@ -187,7 +191,9 @@ def async_save(
     the returned future completes with the Metadata when the checkpoint is
     committed, or with the exception (a CheckpointException when any rank
     failed). Background saves of a process group use a private gloo group,
-    so they never interleave with the caller's own collectives.
+    so they never interleave with the caller's own collectives, and run one
+    after another in call order (a save started before the previous one
+    finished waits for it).
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
@@ -201,8 +207,17 @@ def async_save(
     else:
         staged = _stage(_stateful_to_state_dict(state_dict))
     response.staging_completion.set_result(None)
+    previous: Future | None = None
+    if coord.use_dist:
+        # Every rank calls async_save in the same order, so running each
+        # group's saves one after another keeps their collectives matched.
+        with _async_groups_lock:
+            previous = _async_last.get(coord.group)
+            _async_last[coord.group] = response
 
     def run() -> None:
+        if previous is not None:
+            wait([previous])  # its outcome is its own caller's business
         try:
             response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives))
         except BaseException as e:  # noqa: BLE001 - delivered through the future
