@@ -314,6 +314,15 @@ def _errors(rank: int, world: int, root: str) -> dict:
     back = {"w": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]), "step": None}
     tdcp.load(back, checkpoint_id=f"{root}/async")
     res["async"] = torch.equal(back["w"].full_tensor(), _global("a")) and back["step"] == 3
+    # Saves started back to back, without waiting: all complete, in order.
+    futs = [dcp.async_save({f"v{j}": torch.full((9, 4), float(i)) for j in range(8)} | {"i": i},
+                           checkpoint_id=f"{root}/async{i}") for i in range(4)]
+    for f in futs:
+        f.result(timeout=60)
+    for i in range(4):
+        back = {"v7": torch.zeros(9, 4), "i": None}
+        dcp.load(back, checkpoint_id=f"{root}/async{i}")
+        res["async"] &= torch.equal(back["v7"], torch.full((9, 4), float(i))) and back["i"] == i
 
     # process_group: ranks 1 and 2 save and load as group ranks 0 and 1,
     # while rank 0 saves on its own (no_dist).
