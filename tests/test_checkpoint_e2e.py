@@ -669,3 +669,54 @@ def test_loads_torch_checkpoints_of_any_layout(tmp_path, single_file, threads):
     dcp.load(out, checkpoint_id=tmp_path)
     _same(out, sd)
     assert out["param"] is dest and dest.requires_grad  # filled in place
+
+
+class AppState(dcp.Stateful):
+    """The DCP tutorial's wrapper: model and optimizer through
+    torch.distributed.checkpoint.state_dict."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+
+
+def _trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_model_and_optimizer_through_app_state(tmp_path):
+    model, opt = _trained(0, 3)
+    dcp.save({"app": AppState(model, opt), "epoch": 2}, checkpoint_id=tmp_path / "ours")
+    tdcp.save({"app": AppState(model, opt), "epoch": 2}, checkpoint_id=tmp_path / "theirs")
+    _compare_with_torch(tmp_path / "ours", tmp_path / "theirs")
+
+    for load, src in ((dcp.load, "ours"), (dcp.load, "theirs"), (tdcp.load, "ours")):
+        fresh, fresh_opt = _trained(1, 1)  # other weights, other optimizer state
+        sd = {"app": AppState(fresh, fresh_opt), "epoch": 0}
+        load(sd, checkpoint_id=tmp_path / src)
+        assert sd["epoch"] == 2
+        for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+            assert torch.equal(a, b), (src, k)
+        want, got = opt.state_dict(), fresh_opt.state_dict()
+        assert want["param_groups"] == got["param_groups"], src
+        for i, st in want["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, got["state"][i][k]), (src, i, k)
