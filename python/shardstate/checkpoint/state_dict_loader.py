@@ -47,17 +47,37 @@ def load(
             state_dict[k] = flat[k]
 
 
+def _read_metadata(reader: Any, rank: int) -> tuple[Any, bool]:
+    """The global ``.metadata``, or else (as torch 2.13 does) this rank's own
+    ``__{rank}.metadata``, which a save with ``use_collectives=False``
+    writes; the flag says whether the global one was found.
+
+    Unlike torch, only a *missing* global metadata falls back: one that is
+    refused or malformed is reported as it is."""
+    try:
+        return reader.read_metadata(), True
+    except FileNotFoundError as global_exc:
+        if "kwargs" not in inspect.signature(reader.read_metadata).parameters:
+            raise
+        try:
+            return reader.read_metadata(rank=rank), False
+        except FileNotFoundError as rank_exc:
+            raise FileNotFoundError(
+                f"{global_exc}; nor is there rank {rank}'s own metadata of a save "
+                f"without collectives: {rank_exc}") from None
+
+
 def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
                      planner: Any) -> None:
     if planner is None:
         planner = _default_load_planner()
 
     def local_step() -> Any:
-        metadata = reader.read_metadata()
+        metadata, use_collectives = _read_metadata(reader, coord.rank)
         planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
         if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:
             reader.set_up_storage_reader(metadata, coord.is_coordinator, rank=coord.rank,
-                                         use_collectives=True)
+                                         use_collectives=use_collectives)
         else:
             reader.set_up_storage_reader(metadata, coord.is_coordinator)
         return reader.prepare_local_plan(planner.create_local_plan())
