@@ -5,7 +5,8 @@ Everything here goes through the user-facing calls only
 with the default planners and FileSystemWriter/Reader), and checks the
 result against ``torch.distributed.checkpoint`` itself: the same files byte
 for byte, cross-loads both ways, and resharding between every pair of world
-sizes 1..4 with DTensors saved and loaded in different placements.
+sizes 1..4 with DTensors saved and loaded in different placements (and from
+a 2x2 mesh to every world size).
 
 Process start-up dominates, so the reshard matrix runs in eight
 ``run_distributed`` calls: one per saving world size (which also
@@ -155,6 +156,39 @@ def _compare_with_torch(ours: Path, theirs: Path) -> None:
     assert str(s_ours.storage_meta.checkpoint_id) == str(ours)
 
 
+# On a 2x2 mesh (world size 4): key -> placements saved.
+_MESH2D: dict[str, tuple[str, str]] = {"m_ss": ("s0", "s1"), "m_rs": ("r", "s0"),
+                                       "m_s1s1": ("s1", "s1")}
+
+
+def _mesh2d_sd(zero: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = _global("a")
+    return {k: distribute_tensor(torch.zeros_like(g) if zero else g, mesh,
+                                 [_placement(p) for p in pl], src_data_rank=None)
+            for k, pl in _MESH2D.items()}
+
+
+def _load_mesh2d(world: int, root: str) -> None:
+    """Loads the 2x2-mesh checkpoints into Shard(1) on a 1-D mesh, or on 2x2
+    into (Shard(1), Replicate())."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2) if world == 4 else (world,))
+    pl = [_placement("s1"), _placement("r")] if world == 4 else [_placement("s1")]
+    want = distribute_tensor(_global("a"), mesh, pl, src_data_rank=None).to_local()
+    for load, src in ((dcp.load, "ss"), (dcp.load, "t"), (tdcp.load, "ss")):
+        out = {k: distribute_tensor(torch.zeros(7, 5), mesh, pl, src_data_rank=None)
+               for k in _MESH2D}
+        load(out, checkpoint_id=f"{root}/{src}_2d")
+        for k in _MESH2D:
+            assert torch.equal(out[k].to_local(), want), f"{src}_2d {k} loaded at {world}"
+
+
 def _save_at(rank: int, world: int, root: str) -> list[str]:
     import torch.distributed as dist
 
@@ -186,6 +220,23 @@ def _save_at(rank: int, world: int, root: str) -> list[str]:
                 a, b = (loads_metadata((d / n).read_bytes()) for d in (ours, theirs))
                 assert a.state_dict_metadata == b.state_dict_metadata, n
                 assert a.storage_data == b.storage_data, n
+    for src in ("ss_nc", "t_nc"):  # each rank reads its own __{rank}.metadata
+        out = _dist_sd(world, rank, 1, zero=True)
+        out[f"only_{rank}"] = torch.zeros(6)
+        dcp.load(out, checkpoint_id=f"{root}/{src}_{world}")
+        _check_loaded(out, f"{src} at {world}", 1)
+        assert torch.equal(out[f"only_{rank}"], _rank_only(rank))
+    if world == 4:
+        sd2 = _mesh2d_sd(zero=False)
+        dcp.save(sd2, checkpoint_id=f"{root}/ss_2d")
+        tdcp.save(sd2, checkpoint_id=f"{root}/t_2d")
+        dist.barrier()
+        if rank == 0:
+            _compare_with_torch(Path(root, "ss_2d"), Path(root, "t_2d"))
+        out2 = _mesh2d_sd(zero=True)
+        dcp.load(out2, checkpoint_id=f"{root}/ss_2d")
+        for k, v in out2.items():
+            assert torch.equal(v.to_local(), sd2[k].to_local()), k
     # Round trip at the same world size and placements.
     out = _dist_sd(world, rank, 1, zero=True)
     out[f"only_{rank}"] = torch.zeros(6)
@@ -208,12 +259,13 @@ def _load_at(rank: int, world: int, root: str) -> int:
             _check_loaded(out, where, 2)
             assert torch.equal(out[f"only_{src_rank}"], _rank_only(src_rank)), where
             loads += 1
+    _load_mesh2d(world, root)
     return loads
 
 
 @pytest.mark.distributed_timeout(150)
 def test_reshard_matrix_against_torch(tmp_path, run_distributed):
-    for world in WORLDS:
+    for world in reversed(WORLDS):  # the 2x2-mesh checkpoint is saved at 4
         keys = run_distributed(_save_at, world, str(tmp_path))
         assert all(k == keys[0] for k in keys)
         assert {f"only_{r}" for r in range(world)} <= set(keys[0])
