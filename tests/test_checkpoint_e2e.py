@@ -194,6 +194,10 @@ def _save_at(rank: int, world: int, root: str) -> list[str]:
 
     sd = _dist_sd(world, rank, 1, zero=False)
     sd[f"only_{rank}"] = _rank_only(rank)
+    # The same key with a different value on each rank: torch keeps one
+    # rank's copy; the byte comparison shows we keep the same one.
+    sd["tag"] = f"rank{rank}"
+    sd["diverged"] = torch.full((5,), float(rank))
     md = dcp.save(sd, checkpoint_id=f"{root}/ss_{world}")
     tdcp.save(sd, checkpoint_id=Path(root, f"t_{world}"))
     dist.barrier()
