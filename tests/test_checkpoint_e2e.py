@@ -104,6 +104,8 @@ def _dist_sd(world: int, rank: int, which: int, zero: bool) -> dict:
             continue
         # src_data_rank=None: every rank cuts its own shard (gloo can't scatter bool)
         sd[key] = distribute_tensor(g, mesh, [_placement(case[which])], src_data_rank=None)
+    # legacy ShardedTensor, chunked along dim 0 when saved and dim 1 when loaded
+    sd["st"] = _sharded(world, which - 1, fill=not zero)
     plain = torch.arange(10, dtype=torch.int32)
     sd["plain"] = torch.zeros_like(plain) if zero else plain
     sd["nested"] = {"lr": None if zero else 0.25,
@@ -128,6 +130,7 @@ def _check_loaded(sd: dict, where: str, which: int) -> None:
         assert got.placements == want.placements and got.shape == want.shape, f"{where}: {key}"
         got, want = got.to_local(), want.to_local()
         assert got.dtype == want.dtype and torch.equal(got, want), f"{where}: {key}"
+    assert _sharded_equal(sd["st"]), f"{where}: st"
     assert torch.equal(sd["plain"], torch.arange(10, dtype=torch.int32)), where
     assert sd["nested"]["lr"] == 0.25 and sd["step"] == 11, where
     assert torch.equal(sd["nested"]["bufs"][0], torch.full((3,), 2.0)), where
@@ -776,3 +779,23 @@ def test_model_and_optimizer_through_app_state(tmp_path):
         for i, st in want["state"].items():
             for k, v in st.items():
                 assert torch.equal(v, got["state"][i][k]), (src, i, k)
+
+
+def test_unflattened_nested_values_are_bytes_items(tmp_path):
+    sd = {"nested": {"a": torch.ones(2), "b": 1, "l": [torch.arange(3), "s"]}, "t": torch.ones(3)}
+    dcp.save(sd, checkpoint_id=tmp_path / "ours",
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    tdcp.save(sd, checkpoint_id=tmp_path / "theirs",
+              planner=tdcp.DefaultSavePlanner(flatten_state_dict=False))
+    _compare_with_torch(tmp_path / "ours", tmp_path / "theirs")  # tensors inside a bytes item
+    for src in ("ours", "theirs"):
+        out = {"nested": None, "t": torch.zeros(3)}
+        dcp.load(out, checkpoint_id=tmp_path / src,
+                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+        _same(out, sd, src)
+    # Documented difference: torch writes bytes items only into its own copy
+    # of the state dict when not flattening, so the caller's value stays.
+    out = {"nested": None, "t": torch.zeros(3)}
+    tdcp.load(out, checkpoint_id=tmp_path / "ours",
+              planner=tdcp.DefaultLoadPlanner(flatten_state_dict=False))
+    assert out["nested"] is None and torch.equal(out["t"], torch.ones(3))
