@@ -6,7 +6,8 @@ with the default planners and FileSystemWriter/Reader), and checks the
 result against ``torch.distributed.checkpoint`` itself: the same files byte
 for byte, cross-loads both ways, and resharding between every pair of world
 sizes 1..4 with DTensors saved and loaded in different placements (and from
-a 2x2 mesh to every world size).
+a 2x2 mesh to every world size), plus an FSDP2 model and its Adam state
+saved by 2 ranks and loaded by 3.
 
 Process start-up dominates, so the reshard matrix runs in eight
 ``run_distributed`` calls: one per saving world size (which also
@@ -192,6 +193,70 @@ def _load_mesh2d(world: int, root: str) -> None:
             assert torch.equal(out[k].to_local(), want), f"{src}_2d {k} loaded at {world}"
 
 
+def _fsdp_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model under FSDP2 (fully_shard) on a CPU mesh, with Adam."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _fsdp_full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim.{fqn}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    return out
+
+
+def _fsdp_save(rank: int, world: int, root: str) -> None:
+    """Model and optimizer trained a step further than _fsdp_model's."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp_model(world)
+    torch.manual_seed(1)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/fsdp_ss")
+    tdcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/fsdp_t")
+    full = _fsdp_full(model, opt)
+    dist.barrier()
+    if rank == 0:
+        _compare_with_torch(Path(root, "fsdp_ss"), Path(root, "fsdp_t"))
+        torch.save(full, f"{root}/fsdp_want.pt")
+
+
+def _fsdp_load(world: int, root: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    want = torch.load(f"{root}/fsdp_want.pt", weights_only=True)
+    for load, src in ((dcp.load, "fsdp_ss"), (dcp.load, "fsdp_t"), (tdcp.load, "fsdp_ss")):
+        model, opt = _fsdp_model(world)
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        load(sd, checkpoint_id=f"{root}/{src}")
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        got = _fsdp_full(model, opt)
+        assert got.keys() == want.keys(), src
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{src} loaded at {world}: {k}"
+
+
 def _save_at(rank: int, world: int, root: str) -> list[str]:
     import torch.distributed as dist
 
@@ -233,6 +298,8 @@ def _save_at(rank: int, world: int, root: str) -> list[str]:
         dcp.load(out, checkpoint_id=f"{root}/{src}_{world}")
         _check_loaded(out, f"{src} at {world}", 1)
         assert torch.equal(out[f"only_{rank}"], _rank_only(rank))
+    if world == 2:
+        _fsdp_save(rank, world, root)
     if world == 4:
         sd2 = _mesh2d_sd(zero=False)
         dcp.save(sd2, checkpoint_id=f"{root}/ss_2d")
@@ -267,6 +334,8 @@ def _load_at(rank: int, world: int, root: str) -> int:
             assert torch.equal(out[f"only_{src_rank}"], _rank_only(src_rank)), where
             loads += 1
     _load_mesh2d(world, root)
+    if world == 3:
+        _fsdp_load(world, root)  # saved by 2 ranks
     return loads
 
 
