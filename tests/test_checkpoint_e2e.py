@@ -575,6 +575,10 @@ def _rich_sd() -> dict:
         "param": torch.nn.Parameter(torch.linspace(0, 1, 6).reshape(2, 3)),
         "np": np.arange(12, dtype=np.float32).reshape(3, 4),
         "np_i": np.array([[1, 2], [3, 4]], dtype=np.int64),
+        "np0": np.array(3.5, dtype=np.float32),
+        "np_t": np.arange(12, dtype=np.float64).reshape(3, 4).T,  # written contiguous
+        "np_b": np.array([True, False, True]),
+        "np_scalar": np.float32(2.5),  # a bytes item
         "int": 7, "str": "adam", "list": [1, "two", 3.0], "path": Path("/data/x"),
         "dict": {"betas": (0.9, 0.999), "flag": True, "none": None},
         "nested": {"layers": [{"w": torch.ones(2, 3), "b": torch.zeros(3)},
@@ -582,6 +586,12 @@ def _rich_sd() -> dict:
                    "bufs": [torch.arange(4), [torch.tensor(1.5), "deep"]]},
     })
     return sd
+
+
+def _as_torch(sd: dict) -> dict:
+    """NumPy arrays as the contiguous torch tensors they are saved as."""
+    return {k: (torch.from_numpy(np.asarray(v, order="C")) if isinstance(v, np.ndarray) else v)
+            for k, v in sd.items()}
 
 
 def _blank(v: Any) -> Any:
@@ -617,7 +627,7 @@ def _same(a: Any, b: Any, key: str = "") -> None:
 def test_values_round_trip_and_match_torch_byte_for_byte(tmp_path):
     sd = _rich_sd()
     dcp.save(sd, checkpoint_id=tmp_path / "ours")
-    torch_sd = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in sd.items()}
+    torch_sd = _as_torch(sd)
     tdcp.save(torch_sd, checkpoint_id=tmp_path / "theirs")
     _compare_with_torch(tmp_path / "ours", tmp_path / "theirs")
 
@@ -788,7 +798,7 @@ def test_save_over_existing_checkpoint(tmp_path):
 @pytest.mark.parametrize("single_file, threads", [(False, 1), (True, 3)])
 def test_loads_torch_checkpoints_of_any_layout(tmp_path, single_file, threads):
     sd = _rich_sd()
-    sd = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in sd.items()}
+    sd = _as_torch(sd)
     tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(
         tmp_path, single_file_per_rank=single_file, thread_count=threads))
     out = _blank(sd)
