@@ -132,8 +132,9 @@ class AsyncSaveResponse(Future):
         self.upload_completion: Future = self
 
 
-# One extra gloo group per process group, used only by background saves so
-# their collectives never interleave with the training loop's.
+# One extra gloo group per process group spanning every rank, used only by
+# background saves so their collectives never interleave with the training
+# loop's.
 _async_groups: dict[Any, Any] = {}
 _async_groups_lock = threading.Lock()
 # The last background save started on each private group. A new one waits
@@ -143,14 +144,23 @@ _async_last: dict[Any, Future] = {}
 
 
 def _async_group(process_group: Any) -> Any:
+    """The group a background save runs its collectives on.
+
+    A private copy for a group of every rank (dist.new_group must be entered
+    by all ranks, and all of them are calling async_save). A smaller group
+    is used as it is, as torch does: the ranks outside it are not calling
+    async_save, so a new group can't be made without desynchronising their
+    group numbering from the members' (their next new_group would hang)."""
     import torch.distributed as dist
 
+    if process_group is not None and \
+            dist.get_world_size(process_group) != dist.get_world_size():
+        return process_group
     key = process_group if process_group is not None else "default"
     with _async_groups_lock:
         if key not in _async_groups:
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
-                else list(range(dist.get_world_size()))
-            _async_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+            _async_groups[key] = dist.new_group(
+                ranks=list(range(dist.get_world_size())), backend="gloo")
         return _async_groups[key]
 
 
@@ -190,8 +200,9 @@ def async_save(
     Returns once staging is done (the caller may then modify its tensors);
     the returned future completes with the Metadata when the checkpoint is
     committed, or with the exception (a CheckpointException when any rank
-    failed). Background saves of a process group use a private gloo group,
-    so they never interleave with the caller's own collectives, and run one
+    failed). Background saves on a group of every rank use a private gloo
+    group, so they never interleave with the caller's own collectives (a
+    smaller ``process_group`` is used as it is, as in torch); they run one
     after another in call order (a save started before the previous one
     finished waits for it).
     """
