@@ -480,7 +480,17 @@ def _errors(rank: int, world: int, root: str) -> dict:
             load(back, checkpoint_id=f"{root}/{src}", process_group=group)
             ok_all &= torch.equal(back[f"x{other}"], torch.full((4,), float(other + 1)))
             ok_all &= torch.equal(back["shared"], torch.arange(5))
+        # async_save on the subgroup, which rank 0 takes no part in
+        fut = dcp.async_save(mine, checkpoint_id=f"{root}/sub_async", process_group=group)
+        fut.result(timeout=60)
+        back = {f"x{other}": torch.zeros(4)}
+        tdcp.load(back, checkpoint_id=f"{root}/sub_async", process_group=group)
+        ok_all &= torch.equal(back[f"x{other}"], torch.full((4,), float(other + 1)))
         res["group"] = ok_all
+    # every rank still agrees on new groups (a hang here means they don't)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.new_group([0, 1, 2]))
+    res["group"] &= float(t) == 3.0
     dist.barrier()
 
     # Corrupt one byte of rank 1's shard of "w": every rank fails, naming it.
