@@ -53,12 +53,17 @@ def save(
 
 
 def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
-                     planner: Any, use_collectives: bool = True) -> Metadata:
+                     planner: Any, use_collectives: bool = True,
+                     local_error: BaseException | None = None) -> Metadata:
+    """``local_error``: this rank already failed (async_save's staging); it
+    is raised in the planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_save_planner()
     global_metadata: Metadata | None = None
 
     def local_step() -> Any:
+        if local_error is not None:
+            raise local_error
         params = inspect.signature(planner.set_up_planner).parameters
         if "storage_meta" in params:
             planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
@@ -200,24 +205,36 @@ def async_save(
     Returns once staging is done (the caller may then modify its tensors);
     the returned future completes with the Metadata when the checkpoint is
     committed, or with the exception (a CheckpointException when any rank
-    failed). Background saves on a group of every rank use a private gloo
-    group, so they never interleave with the caller's own collectives (a
-    smaller ``process_group`` is used as it is, as in torch); they run one
-    after another in call order (a save started before the previous one
-    finished waits for it).
+    failed; a rank whose staging fails also fails ``staging_completion``
+    and still takes part, so the others are told). Background saves on a
+    group of every rank use a private gloo group, so they never interleave
+    with the caller's own collectives (a smaller ``process_group`` is used
+    as it is, as in torch); they run one after another in call order (a
+    save started before the previous one finished waits for it).
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
     if coord.use_dist:
         coord = _Coordinator(_async_group(process_group), True, 0)
     response = AsyncSaveResponse()
-    if async_stager is not None:
-        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
-        if isinstance(staged, Future):
-            staged = staged.result()
+    staged: Any = None
+    staging_error: BaseException | None = None
+    try:
+        if async_stager is not None:
+            staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+            if isinstance(staged, Future):
+                staged = staged.result()
+        else:
+            staged = _stage(_stateful_to_state_dict(state_dict))
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        # The other ranks are about to plan this save with this one: take
+        # part, failing, so they get the error instead of waiting forever.
+        staging_error = e
+        response.staging_completion.set_exception(e)
     else:
-        staged = _stage(_stateful_to_state_dict(state_dict))
-    response.staging_completion.set_result(None)
+        response.staging_completion.set_result(None)
     previous: Future | None = None
     if coord.use_dist:
         # Every rank calls async_save in the same order, so running each
@@ -230,7 +247,8 @@ def async_save(
         if previous is not None:
             wait([previous])  # its outcome is its own caller's business
         try:
-            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives))
+            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives,
+                                                 staging_error))
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             response.set_exception(e)
 
