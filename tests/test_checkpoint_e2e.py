@@ -421,6 +421,15 @@ def _errors(rank: int, world: int, root: str) -> dict:
     res["unpicklable"] = _failure(dcp.save, bad, checkpoint_id=f"{root}/bad")
     dist.barrier()
     res["bad_committed"] = os.path.exists(f"{root}/bad/.metadata")
+    # The same failure saving over a good checkpoint: the old .metadata is
+    # gone (it would describe files now partly rewritten); async too.
+    dcp.save({"w": bad["w"]}, checkpoint_id=f"{root}/over")
+    dist.barrier()
+    fut = dcp.async_save(bad, checkpoint_id=f"{root}/over")  # rank 1 can't stage it
+    res["over"] = _failure(fut.result, timeout=60)
+    res["over_staged"] = fut.staging_completion.exception() is None
+    dist.barrier()
+    res["over_committed"] = os.path.exists(f"{root}/over/.metadata")
 
     # ShardedTensor: ours -> torch and ours -> ours, resharded along dim 1.
     for load in (tdcp.load, dcp.load):
@@ -527,6 +536,10 @@ def test_failures_reach_every_rank(tmp_path, run_distributed):
         ranks, text = res["unpicklable"]
         assert ranks == [1] and "lock" in text.lower(), text
         assert not res["bad_committed"]
+        ranks, text = res["over"]
+        assert ranks == [1] and "lock" in text.lower(), text
+        assert not res["over_committed"]
+        assert res["over_staged"] == (rank != 1)
         assert res["st_torch.distributed.checkpoint.state_dict_loader"], rank
         assert res["st_shardstate.checkpoint.state_dict_loader"], rank
         assert res["st_resaved"], rank
