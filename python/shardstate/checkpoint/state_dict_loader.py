@@ -36,10 +36,17 @@ def load(
     Stateful values get ``load_state_dict`` called with what was loaded.
     """
     reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
+    coord = _coordinator(process_group, no_dist)
     keys = sorted(state_dict.keys())  # every rank walks the keys in one order
-    flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
-                else state_dict[k]) for k in keys}
-    _load_state_dict(flat, reader, _coordinator(process_group, no_dist), planner)
+    error: BaseException | None = None
+    try:
+        flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
+                    else state_dict[k]) for k in keys}
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+    _load_state_dict(flat, reader, coord, planner, error)
     for k in keys:
         if isinstance(state_dict[k], Stateful):
             state_dict[k].load_state_dict(flat[k])
@@ -68,11 +75,15 @@ def _read_metadata(reader: Any, rank: int) -> tuple[Any, bool]:
 
 
 def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
-                     planner: Any) -> None:
+                     planner: Any, local_error: BaseException | None = None) -> None:
+    """``local_error``: this rank already failed; it is raised in the
+    planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_load_planner()
 
     def local_step() -> Any:
+        if local_error is not None:
+            raise local_error
         metadata, use_collectives = _read_metadata(reader, coord.rank)
         planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
         if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:

@@ -47,16 +47,22 @@ def save(
     rank, and leaves no ``.metadata`` behind.
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
-    return _save_state_dict(
-        _stateful_to_state_dict(state_dict), writer, _coordinator(process_group, no_dist),
-        planner, use_collectives)
+    coord = _coordinator(process_group, no_dist)
+    try:
+        flat, error = _stateful_to_state_dict(state_dict), None
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+    return _save_state_dict(flat, writer, coord, planner, use_collectives, error)
 
 
 def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
                      planner: Any, use_collectives: bool = True,
                      local_error: BaseException | None = None) -> Metadata:
-    """``local_error``: this rank already failed (async_save's staging); it
-    is raised in the planning step, so every rank hears of it."""
+    """``local_error``: this rank already failed (a Stateful's state_dict(),
+    async_save's staging); it is raised in the planning step, so every rank
+    hears of it."""
     if planner is None:
         planner = _default_save_planner()
     global_metadata: Metadata | None = None
