@@ -364,6 +364,14 @@ class _RaisingLoadPlanner(dcp.DefaultLoadPlanner):
         return super().create_local_plan()
 
 
+class _BrokenStateful(dcp.Stateful):
+    def state_dict(self) -> dict:
+        raise RuntimeError("state_dict broke on this rank")
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise AssertionError("not reached")
+
+
 def _failure(fn, *args, **kwargs) -> tuple[list[int], str]:
     try:
         fn(*args, **kwargs)
@@ -412,6 +420,11 @@ def _errors(rank: int, world: int, root: str) -> dict:
     res["shape"] = _failure(dcp.load, {"x": torch.zeros(4)}, checkpoint_id=ok)
     res["planner"] = _failure(dcp.load, {"w": w0()}, checkpoint_id=ok,
                               planner=_RaisingLoadPlanner())
+    # A Stateful whose state_dict() raises on rank 2 only, saving and loading.
+    app = _BrokenStateful() if rank == 2 else Counter(rank)
+    res["stateful"] = [_failure(dcp.save, {"app": app}, checkpoint_id=f"{root}/app"),
+                       _failure(dcp.load, {"app": app, "x": torch.zeros(3)}, checkpoint_id=ok,
+                                planner=dcp.DefaultLoadPlanner(allow_partial_load=True))]
 
     # A value only rank 1 holds cannot be pickled: the write fails there, every
     # rank hears of it, and nothing is committed.
@@ -533,6 +546,8 @@ def test_failures_reach_every_rank(tmp_path, run_distributed):
         assert "'x' with shape (3,), the destination has shape (4,)" in text, text
         ranks, text = res["planner"]
         assert ranks == [1] and "load planner refused on rank 1" in text, text
+        for ranks, text in res["stateful"]:
+            assert ranks == [2] and "state_dict broke on this rank" in text, text
         ranks, text = res["unpicklable"]
         assert ranks == [1] and "lock" in text.lower(), text
         assert not res["bad_committed"]
