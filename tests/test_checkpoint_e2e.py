@@ -911,3 +911,30 @@ def test_unflattened_nested_values_are_bytes_items(tmp_path):
     tdcp.load(out, checkpoint_id=tmp_path / "ours",
               planner=tdcp.DefaultLoadPlanner(flatten_state_dict=False))
     assert out["nested"] is None and torch.equal(out["t"], torch.ones(3))
+
+
+def test_damaged_checkpoints_name_the_file(tmp_path):
+    def error(sd: dict) -> BaseException:
+        with pytest.raises(dcp.CheckpointException) as e:
+            dcp.load(sd, checkpoint_id=tmp_path)
+        (exc, _), = e.value.failures.values()
+        return exc
+
+    dcp.save({"w": torch.ones(100), "s": "x"},
+             storage_writer=dcp.FileSystemWriter(tmp_path, single_file_per_rank=False))
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    (info,) = [s for i, s in md.storage_data.items() if i.fqn == "w"]
+    path = tmp_path / info.relative_path
+    path.write_bytes(path.read_bytes()[:info.length // 2])
+    exc = error({"w": torch.zeros(100)})
+    assert isinstance(exc, dcp.StorageFormatError) and "'w'" in str(exc), exc
+    assert str(path) in str(exc) and "past the end" in str(exc), exc
+    path.unlink()
+    exc = error({"w": torch.zeros(100)})
+    assert isinstance(exc, FileNotFoundError) and str(path) in str(exc), exc
+    out = {"s": None}  # the other file is intact
+    dcp.load(out, checkpoint_id=tmp_path)
+    assert out["s"] == "x"
+    (tmp_path / ".metadata").write_bytes((tmp_path / ".metadata").read_bytes()[:50])
+    exc = error({"s": None})
+    assert isinstance(exc, dcp.StorageFormatError) and ".metadata" in str(exc), exc
