@@ -257,7 +257,8 @@ def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.nd
     or, for NumPy state without torch, an ndarray written as the contiguous
     tensor of the dtype the planner recorded."""
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
+        # (not np.ascontiguousarray: it turns a 0-d array into shape (1,))
+        arr = np.asarray(value, order="C")
         stride = tuple(s // arr.itemsize for s in arr.strides) if arr.size else \
             tuple(int(np.prod(arr.shape[i + 1:])) for i in range(arr.ndim))
         return (str(item.tensor_data.properties.dtype), arr.shape, stride, arr.size,

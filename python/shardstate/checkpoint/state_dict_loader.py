@@ -36,10 +36,17 @@ def load(
     Stateful values get ``load_state_dict`` called with what was loaded.
     """
     reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
+    coord = _coordinator(process_group, no_dist)
     keys = sorted(state_dict.keys())  # every rank walks the keys in one order
-    flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
-                else state_dict[k]) for k in keys}
-    _load_state_dict(flat, reader, _coordinator(process_group, no_dist), planner)
+    error: BaseException | None = None
+    try:
+        flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
+                    else state_dict[k]) for k in keys}
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+    _load_state_dict(flat, reader, coord, planner, error)
     for k in keys:
         if isinstance(state_dict[k], Stateful):
             state_dict[k].load_state_dict(flat[k])
@@ -47,17 +54,41 @@ def load(
             state_dict[k] = flat[k]
 
 
+def _read_metadata(reader: Any, rank: int) -> tuple[Any, bool]:
+    """The global ``.metadata``, or else (as torch 2.13 does) this rank's own
+    ``__{rank}.metadata``, which a save with ``use_collectives=False``
+    writes; the flag says whether the global one was found.
+
+    Unlike torch, only a *missing* global metadata falls back: one that is
+    refused or malformed is reported as it is."""
+    try:
+        return reader.read_metadata(), True
+    except FileNotFoundError as global_exc:
+        if "kwargs" not in inspect.signature(reader.read_metadata).parameters:
+            raise
+        try:
+            return reader.read_metadata(rank=rank), False
+        except FileNotFoundError as rank_exc:
+            raise FileNotFoundError(
+                f"{global_exc}; nor is there rank {rank}'s own metadata of a save "
+                f"without collectives: {rank_exc}") from None
+
+
 def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
-                     planner: Any) -> None:
+                     planner: Any, local_error: BaseException | None = None) -> None:
+    """``local_error``: this rank already failed; it is raised in the
+    planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_load_planner()
 
     def local_step() -> Any:
-        metadata = reader.read_metadata()
+        if local_error is not None:
+            raise local_error
+        metadata, use_collectives = _read_metadata(reader, coord.rank)
         planner.set_up_planner(state_dict, metadata, coord.is_coordinator)
         if "kwargs" in inspect.signature(reader.set_up_storage_reader).parameters:
             reader.set_up_storage_reader(metadata, coord.is_coordinator, rank=coord.rank,
-                                         use_collectives=True)
+                                         use_collectives=use_collectives)
         else:
             reader.set_up_storage_reader(metadata, coord.is_coordinator)
         return reader.prepare_local_plan(planner.create_local_plan())

@@ -7,7 +7,7 @@ import inspect
 import os
 import threading
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from ._dist import _Coordinator
@@ -47,18 +47,29 @@ def save(
     rank, and leaves no ``.metadata`` behind.
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
-    return _save_state_dict(
-        _stateful_to_state_dict(state_dict), writer, _coordinator(process_group, no_dist),
-        planner, use_collectives)
+    coord = _coordinator(process_group, no_dist)
+    try:
+        flat, error = _stateful_to_state_dict(state_dict), None
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+    return _save_state_dict(flat, writer, coord, planner, use_collectives, error)
 
 
 def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
-                     planner: Any, use_collectives: bool = True) -> Metadata:
+                     planner: Any, use_collectives: bool = True,
+                     local_error: BaseException | None = None) -> Metadata:
+    """``local_error``: this rank already failed (a Stateful's state_dict(),
+    async_save's staging); it is raised in the planning step, so every rank
+    hears of it."""
     if planner is None:
         planner = _default_save_planner()
     global_metadata: Metadata | None = None
 
     def local_step() -> Any:
+        if local_error is not None:
+            raise local_error
         params = inspect.signature(planner.set_up_planner).parameters
         if "storage_meta" in params:
             planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
@@ -132,21 +143,35 @@ class AsyncSaveResponse(Future):
         self.upload_completion: Future = self
 
 
-# One extra gloo group per process group, used only by background saves so
-# their collectives never interleave with the training loop's.
+# One extra gloo group per process group spanning every rank, used only by
+# background saves so their collectives never interleave with the training
+# loop's.
 _async_groups: dict[Any, Any] = {}
 _async_groups_lock = threading.Lock()
+# The last background save started on each private group. A new one waits
+# for it: two saves running at once would issue their collectives on the
+# shared group in an order that can differ between ranks, and hang.
+_async_last: dict[Any, Future] = {}
 
 
 def _async_group(process_group: Any) -> Any:
+    """The group a background save runs its collectives on.
+
+    A private copy for a group of every rank (dist.new_group must be entered
+    by all ranks, and all of them are calling async_save). A smaller group
+    is used as it is, as torch does: the ranks outside it are not calling
+    async_save, so a new group can't be made without desynchronising their
+    group numbering from the members' (their next new_group would hang)."""
     import torch.distributed as dist
 
+    if process_group is not None and \
+            dist.get_world_size(process_group) != dist.get_world_size():
+        return process_group
     key = process_group if process_group is not None else "default"
     with _async_groups_lock:
         if key not in _async_groups:
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
-                else list(range(dist.get_world_size()))
-            _async_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+            _async_groups[key] = dist.new_group(
+                ranks=list(range(dist.get_world_size())), backend="gloo")
         return _async_groups[key]
 
 
@@ -186,25 +211,50 @@ def async_save(
     Returns once staging is done (the caller may then modify its tensors);
     the returned future completes with the Metadata when the checkpoint is
     committed, or with the exception (a CheckpointException when any rank
-    failed). Background saves of a process group use a private gloo group,
-    so they never interleave with the caller's own collectives.
+    failed; a rank whose staging fails also fails ``staging_completion``
+    and still takes part, so the others are told). Background saves on a
+    group of every rank use a private gloo group, so they never interleave
+    with the caller's own collectives (a smaller ``process_group`` is used
+    as it is, as in torch); they run one after another in call order (a
+    save started before the previous one finished waits for it).
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
     if coord.use_dist:
         coord = _Coordinator(_async_group(process_group), True, 0)
     response = AsyncSaveResponse()
-    if async_stager is not None:
-        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
-        if isinstance(staged, Future):
-            staged = staged.result()
+    staged: Any = None
+    staging_error: BaseException | None = None
+    try:
+        if async_stager is not None:
+            staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+            if isinstance(staged, Future):
+                staged = staged.result()
+        else:
+            staged = _stage(_stateful_to_state_dict(state_dict))
+    except Exception as e:
+        if not coord.use_dist:
+            raise
+        # The other ranks are about to plan this save with this one: take
+        # part, failing, so they get the error instead of waiting forever.
+        staging_error = e
+        response.staging_completion.set_exception(e)
     else:
-        staged = _stage(_stateful_to_state_dict(state_dict))
-    response.staging_completion.set_result(None)
+        response.staging_completion.set_result(None)
+    previous: Future | None = None
+    if coord.use_dist:
+        # Every rank calls async_save in the same order, so running each
+        # group's saves one after another keeps their collectives matched.
+        with _async_groups_lock:
+            previous = _async_last.get(coord.group)
+            _async_last[coord.group] = response
 
     def run() -> None:
+        if previous is not None:
+            wait([previous])  # its outcome is its own caller's business
         try:
-            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives))
+            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives,
+                                                 staging_error))
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             response.set_exception(e)
 
