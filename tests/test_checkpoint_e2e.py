@@ -5,14 +5,23 @@ Everything here goes through the user-facing calls only
 with the default planners and FileSystemWriter/Reader), and checks the
 result against ``torch.distributed.checkpoint`` itself: the same files byte
 for byte, cross-loads both ways, and resharding between every pair of world
-sizes 1..4 with DTensors saved and loaded in different placements (and from
-a 2x2 mesh to every world size), plus an FSDP2 model and its Adam state
-saved by 2 ranks and loaded by 3.
+sizes 1..4 with DTensors (uneven, empty and zero-size shards) and
+ShardedTensors saved and loaded in different placements (and from a 2x2
+mesh to every world size), plus an FSDP2 model and its Adam state saved by
+2 ranks and loaded by 3.
 
 Process start-up dominates, so the reshard matrix runs in eight
 ``run_distributed`` calls: one per saving world size (which also
 round-trips and compares the files with torch's), then one per loading world
-size that loads every saved checkpoint.
+size that loads every saved checkpoint. One world-3 run covers failures that
+must reach every rank, process groups and async_save across ranks; the
+rest runs in this process (no process group: no_dist is implied).
+
+Where we differ from torch on purpose the test asserts our documented
+behaviour: a refused ``.metadata`` is a StorageFormatError caused by an
+UnsafePickleError, error messages print shapes as tuples, corrupted tensor
+bytes are detected (torch 2.13 loads them silently), and bytes items land
+in the caller's dict with ``flatten_state_dict=False``.
 """
 
 from __future__ import annotations
