@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TorchName
+from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TorchName, _size
 from .planner import TensorWriteData, WriteItem, WriteItemType
 
 __all__ = [
@@ -68,13 +68,8 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def to_size(values: Sequence[int]) -> Any:
-    """torch.Size when torch is loaded, else a tuple of ints (they compare equal)."""
-    torch = _torch()
-    if torch is not None and type(values) is torch.Size:
-        return values
-    t = tuple(map(int, values))
-    return torch.Size(t) if torch is not None else t
+# torch.Size when torch is loaded, else a tuple of ints (they compare equal).
+to_size = _size
 
 
 def _zeros(ndim: int) -> Any:
