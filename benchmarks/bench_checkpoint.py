@@ -162,6 +162,34 @@ def _do_load(rank, world, impl, path, total_bytes, check):
     return elapsed, extra, state_bytes
 
 
+def _raw_bandwidth(d: str, nbytes: int, repeat: int) -> tuple[float, float]:
+    """Raw single-stream bandwidth (bytes/s) of directory d: a plain C pwrite
+    loop then fsync (as a save syncs its files), and a plain pread loop; no
+    checksum (benchmarks/bench_io.py's raw limit)."""
+    import numpy as np
+
+    from shardstate import _core
+
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "shardstate-bench-raw.bin")
+    buf = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8).copy()
+    w, r = [], []
+    for _ in range(repeat):
+        if os.path.exists(path):
+            os.unlink(path)
+        t0 = time.perf_counter()
+        _core._raw_pwrite(path, buf, 32 << 20)
+        fd = os.open(path, os.O_RDONLY)  # saves fsync their files (sync_files=True)
+        os.fsync(fd)
+        os.close(fd)
+        w.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _core._raw_pread(path, buf, 32 << 20)
+        r.append(time.perf_counter() - t0)
+    os.unlink(path)
+    return nbytes / statistics.median(w), nbytes / statistics.median(r)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0)
@@ -171,8 +199,9 @@ def main() -> int:
     args = ap.parse_args()
     total = int(args.gib * (1 << 30))
     impls = ["torch", "shardstate"]
-    print(f"state: {len(_shapes(total))} parameters + Adam, {total / 2**30:.2f} GiB over 2 ranks; "
-          f"median of {args.repeat}")
+    state_bytes = sum(_numel(s) for _, s in _shapes(total)) * 4 * 3
+    print(f"state: {len(_shapes(total))} parameters + Adam, {state_bytes / 2**30:.2f} GiB over "
+          f"2 ranks; median of {args.repeat}")
 
     for d in args.dirs:
         base = os.path.abspath(os.path.join(d, "shardstate-bench-ckpt"))
@@ -215,6 +244,14 @@ def main() -> int:
             ratio = med["torch"][k] / med["shardstate"][k]
             print(f"  ratio {k:<14} torch/shardstate {ratio:6.2f}  (target >= {target}) "
                   f"{'ok' if ratio >= target else 'MISS'}")
+        # Aggregate throughput against this directory's raw limit.
+        raw_w, raw_r = _raw_bandwidth(d, state_bytes, args.repeat)
+        for k, raw in (("save", raw_w), ("load", raw_r)):
+            rate = state_bytes / med["shardstate"][k]
+            frac = rate / raw
+            print(f"  shardstate {k} {rate / 2**30:6.2f} GiB/s = {frac:5.2f} of raw "
+                  f"{'pwrite+fsync' if k == 'save' else 'pread'} {raw / 2**30:.2f} GiB/s "
+                  f"(target on the work disk >= 0.80) {'ok' if frac >= 0.8 else 'MISS'}")
         extra = med["shardstate"]["load extra RSS / state"]
         print(f"  shardstate load extra RSS {extra:6.1%} of the state (target <= 10%) "
               f"{'ok' if extra <= 0.10 else 'MISS'}")
