@@ -196,31 +196,36 @@ static int fi_close(const ss_os *os, int fd)
     return rc;
 }
 
+/* The armed fault, if any, of one pwrite/pread: a negative code to return
+ * instead of the call, or 0 with *n possibly cut short. */
+static int xfer_fault(const ss_os *os, int op, size_t *n)
+{
+    arm a;
+    int kind = hit(os, op, &a);
+    if (kind == ARM_FAIL)
+        return -(int)a.value;
+    if (kind == ARM_EINTR)
+        return -EINTR;
+    if (kind == ARM_SHORT && a.value < *n)
+        *n = a.value;
+    return 0;
+}
+
 static int64_t fi_pwrite(const ss_os *os, int fd, const void *buf, size_t n,
                          int64_t off)
 {
-    arm a;
-    int kind = hit(os, SS_OS_PWRITE, &a);
-    if (kind == ARM_FAIL)
-        return -(int64_t)a.value;
-    if (kind == ARM_EINTR)
-        return -EINTR;
-    if (kind == ARM_SHORT && a.value < n)
-        n = a.value;
+    int rc = xfer_fault(os, SS_OS_PWRITE, &n);
+    if (rc < 0)
+        return rc;
     return base_of(os)->pwrite(base_of(os), fd, buf, n, off);
 }
 
 static int64_t fi_pread(const ss_os *os, int fd, void *buf, size_t n,
                         int64_t off)
 {
-    arm a;
-    int kind = hit(os, SS_OS_PREAD, &a);
-    if (kind == ARM_FAIL)
-        return -(int64_t)a.value;
-    if (kind == ARM_EINTR)
-        return -EINTR;
-    if (kind == ARM_SHORT && a.value < n)
-        n = a.value;
+    int rc = xfer_fault(os, SS_OS_PREAD, &n);
+    if (rc < 0)
+        return rc;
     if (n == 0)
         return 0;
     return base_of(os)->pread(base_of(os), fd, buf, n, off);
