@@ -37,6 +37,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 
+from _dtypes import DTYPES, seeded
+
 import shardstate.checkpoint as dcp
 from shardstate import ChecksumError
 from shardstate.checkpoint._pickle import loads_metadata
@@ -577,18 +579,6 @@ def test_failures_reach_every_rank(tmp_path, run_distributed):
 # Single process (no process group: no_dist is implied)
 # ---------------------------------------------------------------------------
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
-
-
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    low = 0 if dtype == torch.uint8 else -100
-    return torch.randint(low, 100, shape, generator=g).to(dtype)
 
 
 class Counter:
@@ -610,8 +600,8 @@ class Counter:
 
 def _rich_sd() -> dict:
     big = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    sd: dict = {f"t_{str(dt)[6:]}": _values(dt, (4, 3), i) for i, dt in enumerate(DTYPES)}
-    sd.update({f"s_{str(dt)[6:]}": _values(dt, (), 50 + i) for i, dt in enumerate(DTYPES)})
+    sd: dict = {f"t_{str(dt)[6:]}": seeded(dt, (4, 3), i) for i, dt in enumerate(DTYPES)}
+    sd.update({f"s_{str(dt)[6:]}": seeded(dt, (), 50 + i) for i, dt in enumerate(DTYPES)})
     sd.update({
         "empty": torch.empty(0, 3),
         "empty_i": torch.empty(4, 0, dtype=torch.int16),

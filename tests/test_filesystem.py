@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from _dtypes import DTYPES, seeded
+
 from shardstate import ChecksumError
 from shardstate.checkpoint import filesystem as fs
 from shardstate.checkpoint.filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
@@ -41,21 +43,10 @@ def _raised(exc_type: type[BaseException], match: str, fn, *args, **kwargs) -> B
     assert re.search(match, str(err)), f"{match!r} not in {err}"
     return err
 
-DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
-
-
-def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
 
 
 def _state_dict() -> dict:
-    sd: dict = {f"t_{str(dt)[6:]}": _values(dt, (3, 5), i) for i, dt in enumerate(DTYPES)}
+    sd: dict = {f"t_{str(dt)[6:]}": seeded(dt, (3, 5), i) for i, dt in enumerate(DTYPES)}
     big = torch.arange(100, dtype=torch.float32)
     sd.update({
         "scalar": torch.tensor(2.5),
