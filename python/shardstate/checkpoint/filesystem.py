@@ -235,7 +235,8 @@ def _numpy_region(rec: Any, data: np.ndarray, offsets: Any, lengths: Any) -> np.
 
 def _prepare_tensor(t: Any) -> Any:
     """The tensor torch's DCP writer would torch.save for ``t``: detached, on
-    the CPU, cloned when its storage holds more than its own bytes."""
+    the CPU, cloned when its storage holds more than its own bytes (the
+    caller writes a contiguous one's elements itself, without the clone)."""
     torch = _torch()
     t = t.detach()
     if t.layout != torch.strided:
@@ -244,11 +245,20 @@ def _prepare_tensor(t: Any) -> Any:
     if t.is_conj() or t.is_neg():
         # torch.save would record the bit; we store the resolved values.
         t = t.resolve_conj().resolve_neg()
+    if t.untyped_storage().nbytes() != t.nbytes and _dense_as_clone(t):
+        return t
     if t.untyped_storage().nbytes() != t.nbytes:
         t = t.clone()
     if t.storage_offset() != 0:  # overlapping strides over an exact storage
         t = t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _dense_as_clone(t: Any) -> bool:
+    """Whether t's elements fill one range of its storage in the order
+    ``t.clone()`` would lay them out (same strides as the clone's, found
+    without allocating)."""
+    return tuple(t.stride()) == tuple(_torch().empty_like(t, device="meta").stride())
 
 
 def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.ndarray]:
@@ -264,6 +274,13 @@ def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.nd
         return (str(item.tensor_data.properties.dtype), arr.shape, stride, arr.size,
                 arr.reshape(-1).view(np.uint8))
     t = _prepare_tensor(value)
+    if t.untyped_storage().nbytes() != t.nbytes:
+        # A dense view into a larger storage, laid out as its clone would be
+        # (a staged tensor, a slice of rows): the clone's record is this
+        # range of the storage, so write it in place.
+        start = t.storage_offset() * t.element_size()
+        return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel(),
+                _storage_bytes(t)[start:start + t.nbytes])
     return (str(t.dtype), tuple(t.shape), tuple(t.stride()),
             t.untyped_storage().nbytes() // t.element_size(), _storage_bytes(t))
 
@@ -698,6 +715,11 @@ class FileSystemReader(StorageReader):
         self.use_collectives = True
         self.verify_checksums = verify_checksums
         self.unsafe_unpickle = unsafe_unpickle
+        # Shared verification (see _Coverage): off unless the loader that
+        # drives this reader gathers the pieces and calls verify_pieces.
+        self._shared_verify = False
+        self._shared_keys: frozenset = frozenset()
+        self._pieces: list[tuple] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -732,8 +754,10 @@ class FileSystemReader(StorageReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         # torch's planners check metadata classes with isinstance; ours
-        # accept either, so hand out torch's whenever torch is loaded.
-        return to_torch_metadata(md) if "torch" in sys.modules else md
+        # accept either, so hand out torch's whenever torch's DCP is loaded
+        # (only then can a torch planner be in use; importing it costs more
+        # than a whole small load).
+        return to_torch_metadata(md) if "torch.distributed.checkpoint" in sys.modules else md
 
     def set_up_storage_reader(
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -752,7 +776,53 @@ class FileSystemReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
+        """On the coordinator: marks in each plan's ``storage_data`` the
+        saved chunks whose checksum the ranks verify together (see
+        ``_shared_chunks``), when the loader has asked for it."""
+        if not self._shared_verify or not self.verify_checksums or len(plans) < 2:
+            return plans
+        shared = self._shared_chunks(plans)
+        if not shared:
+            return plans
+        out = []
+        for p in plans:
+            mine = frozenset(k for k in (_index_key(it.storage_index) for it in p.items)
+                             if k in shared)
+            out.append(dataclasses.replace(p, storage_data=mine) if mine else p)
+        return out
+
+    def _shared_chunks(self, plans: list[Any]) -> set:
+        """The saved chunks the ranks' reads cover together: one rank reads
+        the whole chunk, or the regions read are pairwise disjoint and add up
+        to it. For these a rank reading part of a chunk checksums only its
+        part, and every rank checks that the parts combine to the record's
+        CRC-32 (verify_pieces), instead of each reading the rest of the
+        record again: a load at another world size then reads each byte
+        once."""
+        boxes: dict[Any, set] = {}
+        sizes: dict[Any, tuple[int, ...]] = {}
+        for p in plans:
+            for it in p.items:
+                if it.type.name == "BYTE_IO":
+                    continue
+                found = self._chunk(it.storage_index)
+                if found is None:
+                    continue
+                k = _index_key(it.storage_index)
+                sizes[k] = tuple(int(n) for n in found[1].sizes)
+                boxes.setdefault(k, set()).add(
+                    (tuple(int(o) for o in it.storage_offsets), tuple(int(n) for n in it.lengths)))
+        return {k for k, bs in boxes.items() if _covers(bs, sizes[k])}
+
+    def _enable_shared_verify(self) -> None:
+        """Called by shardstate's load before planning: it gathers what
+        read_data left in ``_take_pieces`` from every rank and passes it to
+        ``verify_pieces``."""
+        self._shared_verify = True
+
+    def _take_pieces(self) -> list[tuple]:
+        pieces, self._pieces = self._pieces, []
+        return pieces
 
     @property
     def checkpoint_id(self) -> str | os.PathLike:
@@ -825,6 +895,9 @@ class FileSystemReader(StorageReader):
     # ---- reading ----
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        sd = getattr(plan, "storage_data", None)
+        self._shared_keys = sd if self._shared_verify and isinstance(sd, frozenset) else frozenset()
+        self._pieces = []
         reqs = self._requests(plan)
         byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
         tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
@@ -980,12 +1053,19 @@ class FileSystemReader(StorageReader):
                                      rec.data_crc32 if verify and is_whole else None))
         partial = verify and not all(whole)
         crcs = self._run(jobs, [(r, rec) for r, rec, _d, _s in items], checksum=partial)
+        if not verify:
+            return
+        shared = [self._is_shared(r) for r, _rec, _d, _s in items]
+        for i, (r, rec, _d, (start, count)) in enumerate(items):
+            if shared[i]:
+                self._add_piece(r, rec, start, count, rec.data_crc32 if whole[i] else crcs[i])
         if not partial:
             return
-        # The rest of each partly read record: (item, start, length) pieces.
+        # The rest of each partly read record (unless the ranks verify it
+        # together): (item, start, length) pieces.
         rest: list[tuple[int, int, int]] = []
         for i, (_r, rec, _d, (start, count)) in enumerate(items):
-            if whole[i]:
+            if whole[i] or shared[i]:
                 continue
             for a, b in ((0, start), (start + count, rec.data_length)):
                 for p in range(a, b, _PIECE):
@@ -1007,7 +1087,7 @@ class FileSystemReader(StorageReader):
                 piece_crc[(i, p)] = c
             k += n
         for i, (r, rec, _d, (start, count)) in enumerate(items):
-            if whole[i]:
+            if whole[i] or shared[i]:
                 continue
             acc = 0
             for p in range(0, start, _PIECE):
@@ -1041,6 +1121,10 @@ class FileSystemReader(StorageReader):
                 if rec.data_length
             ]
             self._run(jobs, [(r, rec) for r, rec, _d in batch if rec.data_length])
+            if self.verify_checksums:
+                for r, rec, _d in batch:
+                    if rec.data_length and self._is_shared(r):
+                        self._add_piece(r, rec, 0, rec.data_length, rec.data_crc32)
             for (r, rec, dest), s in zip(batch, scratch):
                 if isinstance(dest, np.ndarray):
                     dest[...] = _numpy_region(rec, s, r.item.storage_offsets, r.item.lengths)
@@ -1055,6 +1139,14 @@ class FileSystemReader(StorageReader):
                 planner.commit_tensor(r.item, dest)
             k += n
 
+    def _is_shared(self, r: _Req) -> bool:
+        return bool(self._shared_keys) and _index_key(r.item.storage_index) in self._shared_keys
+
+    def _add_piece(self, r: _Req, rec: _Rec, start: int, count: int, crc: int) -> None:
+        """One checksummed range of a shared chunk's record, for verify_pieces."""
+        self._pieces.append((_index_key(r.item.storage_index), r.file.path, rec.data_offset,
+                             rec.data_length, rec.data_crc32, start, count, crc, r.where()))
+
     def _run(
         self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False
     ) -> list[int]:
@@ -1067,6 +1159,84 @@ class FileSystemReader(StorageReader):
             if not isinstance(k, int) or not 0 <= k < len(reqs):
                 raise
             raise ChecksumError(_crc_message(*reqs[k])) from e
+
+
+def _covers(boxes: set, size: tuple[int, ...]) -> bool:
+    """Whether the boxes (offsets, lengths) together cover a chunk of this
+    size: one of them is all of it, or they are pairwise disjoint, inside it,
+    and their volumes add up to its volume. (Each chunk is read by a few
+    ranks; past 64 distinct regions the check is not attempted.)"""
+    whole = ((0,) * len(size), size)
+    if whole in boxes:
+        return True
+    if len(boxes) > 64:
+        return False
+    bs = list(boxes)
+    total = 1
+    for n in size:
+        total *= n
+    vol = 0
+    for offs, lens in bs:
+        if len(offs) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offs, lens, size)):
+            return False
+        v = 1
+        for n in lens:
+            v *= n
+        vol += v
+    if vol != total:
+        return False
+    for i in range(len(bs)):
+        for j in range(i + 1, len(bs)):
+            (oa, la), (ob, lb) = bs[i], bs[j]
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, la, ob, lb)):
+                return False
+    return True
+
+
+def verify_pieces(gathered: list[list[tuple]]) -> None:
+    """Checks the shared chunks' records from every rank's pieces (what
+    ``FileSystemReader._take_pieces`` returned on each rank, in rank order):
+    a record some rank read whole was verified by that rank; otherwise its
+    pieces must tile its data and their CRC-32s combine to the record's.
+    Raises CheckpointException naming the ranks that read a bad record (the
+    same on every rank, since every rank checks the same pieces)."""
+    from .api import CheckpointException, _wrap_exception
+
+    by_record: dict[tuple, list[tuple]] = {}
+    for rank, pieces in enumerate(gathered):
+        for p in pieces or ():
+            key, path, data_offset = p[0], p[1], p[2]
+            by_record.setdefault((key, path, data_offset), []).append((rank,) + tuple(p))
+    failures = {}
+    for entries in by_record.values():
+        length, crc = entries[0][4], entries[0][5]
+        if any(e[6] == 0 and e[7] == length for e in entries):
+            continue
+        spans = sorted({(e[6], e[7], e[8]) for e in entries})
+        pos, acc, ok = 0, 0, True
+        for start, count, c in spans:
+            if start != pos:
+                ok = False
+                break
+            acc = crc32_combine(acc, c, count)
+            pos += count
+        if ok and pos == length and acc == crc:
+            continue
+        where = entries[0][9]
+        if ok and pos == length:
+            err: Exception = ChecksumError(
+                f"CRC-32 mismatch in {where}: the tensor data at file offset {entries[0][3]} "
+                f"({length} bytes), read in parts by ranks "
+                f"{sorted({e[0] for e in entries})}, does not match the CRC {crc:08x} stored "
+                "in its record")
+        else:
+            err = ShardstateError(
+                f"{where}: the ranks' reads of this record do not tile its {length} bytes, so "
+                "its CRC-32 could not be verified")
+        for e in entries:
+            failures.setdefault(e[0], _wrap_exception(err))
+    if failures:
+        raise CheckpointException("read", failures)
 
 
 def _crc_message(r: _Req, rec: _Rec) -> str:

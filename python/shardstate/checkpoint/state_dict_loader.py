@@ -80,6 +80,13 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
     planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_load_planner()
+    # Our file-system reader can let the ranks verify a record's checksum
+    # together when their reads cover it (each byte read once): it needs the
+    # pieces gathered after the reads, which this loader does.
+    shared_verify = coord.use_dist and coord.world_size > 1 and \
+        hasattr(reader, "_enable_shared_verify")
+    if shared_verify:
+        reader._enable_shared_verify()
 
     def local_step() -> Any:
         if local_error is not None:
@@ -98,11 +105,16 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
 
     central_plan = coord.reduce_scatter("plan", local_step, global_step)
 
-    def read_data() -> None:
+    def read_data() -> Any:
         futures = reader.read_data(planner.finish_plan(central_plan), planner)
         futures.wait()
+        return reader._take_pieces() if shared_verify else None
 
-    coord.all_gather("read", read_data)
+    pieces = coord.all_gather("read", read_data)
+    if shared_verify:
+        from .filesystem import verify_pieces
+
+        verify_pieces(pieces)
 
 
 def load_state_dict(

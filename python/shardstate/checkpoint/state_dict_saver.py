@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import threading
@@ -10,6 +9,7 @@ import warnings
 from concurrent.futures import Future, wait
 from typing import Any
 
+from . import _staging
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
 from .metadata import STATE_DICT_TYPE, Metadata
@@ -175,25 +175,6 @@ def _async_group(process_group: Any) -> Any:
         return _async_groups[key]
 
 
-def _stage(value: Any) -> Any:
-    """A private copy of a state-dict value, in host memory."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.device.type == "cpu":
-            return value.detach().clone()
-        return value.detach().to("cpu")
-    if isinstance(value, dict):
-        staged = {k: _stage(v) for k, v in value.items()}
-        return staged if type(value) is dict else type(value)(staged)
-    if isinstance(value, list):
-        return [_stage(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_stage(v) for v in value)
-    return copy.deepcopy(value)
-
-
 def async_save(
     state_dict: STATE_DICT_TYPE,
     *,
@@ -217,6 +198,11 @@ def async_save(
     with the caller's own collectives (a smaller ``process_group`` is used
     as it is, as in torch); they run one after another in call order (a
     save started before the previous one finished waits for it).
+
+    Staging copies CPU tensors, DTensor local shards and ndarrays into a
+    reusable buffer from a bounded per-process pool (two in use at a time:
+    a third save in flight waits in staging for the oldest to finish), so a
+    training loop's repeated saves copy into memory already mapped.
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
@@ -224,6 +210,7 @@ def async_save(
         coord = _Coordinator(_async_group(process_group), True, 0)
     response = AsyncSaveResponse()
     staged: Any = None
+    staging: _staging.StagedState | None = None
     staging_error: BaseException | None = None
     try:
         if async_stager is not None:
@@ -231,7 +218,8 @@ def async_save(
             if isinstance(staged, Future):
                 staged = staged.result()
         else:
-            staged = _stage(_stateful_to_state_dict(state_dict))
+            staging = _staging.stage(_stateful_to_state_dict(state_dict))
+            staged = staging.state_dict
     except Exception as e:
         if not coord.use_dist:
             raise
@@ -257,6 +245,9 @@ def async_save(
                                                  staging_error))
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             response.set_exception(e)
+        finally:
+            if staging is not None:
+                staging.release()  # the arena goes back to the pool for the next save
 
     threading.Thread(target=run, name="shardstate-async-save", daemon=True).start()
     return response

@@ -1,0 +1,212 @@
+"""Staging for async_save: a private host copy of a state dict, made in a
+bounded pool of reusable buffers.
+
+A training loop saves the same structure again and again. torch's default
+stager copies every tensor into freshly allocated memory each time, so each
+save pays for page faults and zeroing as well as the copy. Here each save
+takes one *arena* (an anonymous mapping, transparent huge pages requested)
+from a per-process pool, copies every CPU tensor and ndarray into it with
+the C engine (GIL released, large copies split over the I/O threads), and
+gives the arena back when its background save has finished. The next save
+of the same size reuses it: a plain memory copy into memory already mapped.
+
+The pool is bounded: at most ``_SLOTS`` arenas are in use at a time (one
+being written, one being staged). A save that finds every slot taken waits
+until the oldest background save finishes, so checkpoints can never pile up
+unbounded host memory. Free arenas are kept (at most ``_SLOTS`` of them)
+and reused for any save they are large enough for.
+
+Staged tensors are views into the arena laid out as their clones would be;
+the writer saves such a view's own range of the arena (the record torch
+writes for the clone), so nothing is copied again.
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+_SLOTS = 2  # arenas in use at once, per process
+_ALIGN = 64  # every staged tensor starts 64-byte aligned
+_HUGE = 2 << 20
+
+
+class _Arena:
+    """One reusable host buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        size = max(_HUGE, -(-nbytes // _HUGE) * _HUGE)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP unavailable: plain pages work the same
+                pass
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.size = size
+
+
+class _StagingPool:
+    def __init__(self, slots: int) -> None:
+        self._slots = slots
+        self._free: list[_Arena] = []
+        self._busy = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> _Arena:
+        """An arena of at least nbytes, waiting while every slot is busy."""
+        with self._cond:
+            while self._busy >= self._slots:
+                self._cond.wait()
+            self._busy += 1
+            fits = [a for a in self._free if a.size >= nbytes]
+            if fits:
+                arena = min(fits, key=lambda a: a.size)
+                self._free.remove(arena)
+                return arena
+            if self._free:  # too small for this state: let the largest go
+                self._free.remove(max(self._free, key=lambda a: a.size))
+        try:
+            return _Arena(nbytes)
+        except BaseException:
+            self.release(None)
+            raise
+
+    def release(self, arena: _Arena | None) -> None:
+        with self._cond:
+            self._busy -= 1
+            if arena is not None:
+                self._free.append(arena)
+                while len(self._free) > self._slots:
+                    self._free.remove(min(self._free, key=lambda a: a.size))
+            self._cond.notify()
+
+
+_pool = _StagingPool(_SLOTS)
+
+
+def _stage_target(value: Any, torch: Any) -> Any:
+    """The host tensor (or ndarray) whose elements are staged for value, or
+    None when value is not staged through the arena."""
+    if isinstance(value, np.ndarray):
+        return value
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    t = value
+    if hasattr(t, "to_local") and type(t).__name__ == "DTensor":
+        t = t.to_local()
+    elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return None  # ShardedTensor and other subclasses: staged by clone
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return None
+    return t
+
+
+def _nbytes(x: Any) -> int:
+    return int(x.nbytes)
+
+
+def _collect(value: Any, torch: Any, out: list[Any]) -> None:
+    """Every staged source in value, depth first, in the order _build uses."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _collect(v, torch, out)
+    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        for v in value:
+            _collect(v, torch, out)
+    else:
+        src = _stage_target(value, torch)
+        if src is not None:
+            out.append(src)
+
+
+class StagedState:
+    """A staged state dict and the arena it lives in (None when nothing
+    needed one). ``release()`` gives the arena back; call it once, when the
+    save that uses ``state_dict`` has finished."""
+
+    def __init__(self, state_dict: Any, arena: _Arena | None) -> None:
+        self.state_dict = state_dict
+        self._arena = arena
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._arena is not None:
+                _pool.release(self._arena)
+
+
+def stage(state_dict: Any) -> StagedState:
+    """A private host copy of state_dict: CPU tensors, DTensor local shards
+    and ndarrays are copied into a pooled arena; CUDA tensors are copied to
+    host memory; other values are deep-copied."""
+    from ..geometry import copy_region
+    from ..io import _pool_for
+
+    torch = sys.modules.get("torch")
+    sources: list[Any] = []
+    _collect(state_dict, torch, sources)
+    offsets, total = [], 0
+    for s in sources:
+        offsets.append(total)
+        total += -(-_nbytes(s) // _ALIGN) * _ALIGN
+    arena = _pool.acquire(total) if total else None
+    try:
+        threads = _pool_for(None, None)
+        views = []
+        for s, off in zip(sources, offsets):
+            raw = arena.bytes[off : off + _nbytes(s)] if arena is not None else None
+            if isinstance(s, np.ndarray):
+                dst = raw.view(s.dtype).reshape(s.shape) if s.size else np.empty(s.shape, s.dtype)
+            elif s.numel():
+                # laid out as s.clone() would be, so the writer saves it as
+                # torch saves the clone (byte for byte) without another copy
+                layout = torch.empty_like(s, device="meta").stride()
+                dst = torch.from_numpy(raw).view(s.dtype).as_strided(s.shape, layout)
+            else:
+                dst = torch.empty(s.shape, dtype=s.dtype)
+            if dst.size if isinstance(dst, np.ndarray) else dst.numel():
+                zeros = (0,) * s.ndim
+                copy_region(dst, zeros, s, zeros, tuple(s.shape), pool=threads)
+            views.append(dst)
+        staged = _build(state_dict, torch, iter(views))
+    except BaseException:
+        if arena is not None:
+            _pool.release(arena)
+        raise
+    return StagedState(staged, arena)
+
+
+def _build(value: Any, torch: Any, views: Any) -> Any:
+    """value with each staged source replaced by its copy (same walk as
+    _collect)."""
+    if isinstance(value, dict):
+        staged = {k: _build(v, torch, views) for k, v in value.items()}
+        return staged if type(value) is dict else type(value)(staged)
+    if isinstance(value, list):
+        return [_build(v, torch, views) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_build(v, torch, views) for v in value)
+    src = _stage_target(value, torch)
+    if src is not None:
+        dst = next(views)
+        if src is value or isinstance(value, np.ndarray):
+            return dst
+        if type(value).__name__ == "DTensor":
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(dst, value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape,
+                                      stride=value.stride())
+        return dst  # a Parameter: staged as a plain tensor, as torch's stager does
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            return value.detach().clone()
+        return value.detach().to("cpu")
+    return copy.deepcopy(value)
