@@ -195,11 +195,11 @@ int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank,
 int ss_flat_range_infos(const ss_flat_layout *l, int64_t start, int64_t end,
                         ss_flat_info *out, ss_errinfo *err)
 {
-    if (start < 0 || start > end || end > l->padded_numel)
+    if (start < 0 || start > end)
         return ss_errinfo_set(err, SS_EINVAL, "shard_infos", NULL, -1,
-                              "range [%lld, %lld) outside [0, %lld]",
-                              (long long)start, (long long)end,
-                              (long long)l->padded_numel);
+                              "bad range [%lld, %lld) (need 0 <= start <= "
+                              "end)",
+                              (long long)start, (long long)end);
     /* torch's _get_shard_metadata with inclusive ends: s..e is the shard,
      * ps..pe the parameter (pe = ps - 1 for a zero-numel one). */
     int64_t s = start, e = end - 1;
@@ -227,7 +227,7 @@ int ss_flat_range_infos(const ss_flat_layout *l, int64_t start, int64_t end,
 int ss_flat_shard_infos(const ss_flat_layout *l, int64_t rank,
                         ss_flat_info *out, ss_errinfo *err)
 {
-    int64_t s, e;
+    int64_t s = 0, e = 0;
     int rc = ss_flat_shard_range(l, rank, &s, &e, err);
     return rc < 0 ? rc : ss_flat_range_infos(l, s, e, out, err);
 }

@@ -87,8 +87,9 @@ int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank,
                         int64_t *start, int64_t *end, ss_errinfo *err);
 
 /* Shard infos (nparams entries into out) of the range [start, end) of the
- * padded flat parameter, 0 <= start <= end <= padded_numel: torch's
- * _get_shard_metadata(start, end - 1). 0 or SS_EINVAL. */
+ * padded flat parameter, 0 <= start <= end (end may pass padded_numel, as
+ * torch allows): torch's _get_shard_metadata(start, end - 1). 0 or
+ * SS_EINVAL. */
 int ss_flat_range_infos(const ss_flat_layout *l, int64_t start, int64_t end,
                         ss_flat_info *out, ss_errinfo *err);
 

@@ -231,8 +231,10 @@ static void test_layout_errors(void)
     CHECK_EQ_INT(ss_flat_shard_range(l, -1, &s, &en, NULL), SS_EINVAL);
     CHECK_EQ_INT(ss_flat_shard_infos(l, 5, f, NULL), SS_EINVAL);
     CHECK_EQ_INT(ss_flat_range_infos(l, 2, 1, f, NULL), SS_EINVAL);
-    CHECK_EQ_INT(ss_flat_range_infos(l, 0, 10, f, NULL), SS_EINVAL);
-    CHECK_EQ_INT(ss_flat_range_infos(l, 0, 9, f, NULL), 0);
+    CHECK_EQ_INT(ss_flat_range_infos(l, -1, 3, f, NULL), SS_EINVAL);
+    CHECK_EQ_INT(ss_flat_range_infos(l, 2, 1000, f, NULL), 0);
+    check_info(&f[0], 1, 0, 2, 2, 3);
+    check_info(&f[1], 1, 2, 4, 0, 3);
     ss_flat_layout_free(l);
     ss_flat_layout_free(NULL);
 }
