@@ -131,6 +131,7 @@ def test_layout_and_shard_equal_flat_param_handle(shapes, dtype, use_orig_params
             infos = layout.shard_infos(rank)
             assert all(type(i) is ShardParamInfo for i in infos)
             assert [tuple(i) for i in infos] == [tuple(i) for i in fp._shard_param_infos]
+            assert FlatLayout.from_handle(h) == layout
             # flatten of the original values is torch's local shard, bit for bit
             out = torch.full((layout.shard_numel,), -7.0, dtype=dtype)
             layout.flatten(values, rank, out)
@@ -300,6 +301,8 @@ def test_bad_inputs_raise():
         layout.flatten([good[0], np.zeros(2, np.float32)], 0, out)
     with pytest.raises(ValueError, match="2 pieces for 3"):
         FlatLayout([1, 1, 1], 1).flatten(good, 0, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="byte order"):
+        layout.flatten([np.zeros(4, ">f4"), None], 0, out)
     with pytest.raises(ValueError, match="C-contiguous"):
         layout.flatten([np.zeros(8, np.float32)[::2], good[1]], 0, out)
     with pytest.raises(ValueError, match="contiguous"):
@@ -457,3 +460,13 @@ def test_real_fsdp1_units(run_distributed, world_size):
                 out = torch.empty(layout.shard_numel, dtype=dtype)
                 layout.flatten(pieces, rank, out)
                 assert np.array_equal(_bits(out), u["shard"]), (rank, u["fqns"])
+
+
+def test_from_handle_refuses_no_shard():
+    module = _Params(_values([(3,)], torch.float32))
+    h = FlatParamHandle(
+        list(module.parameters()), module, torch.device("cpu"), HandleShardingStrategy.NO_SHARD,
+        False, None, None, False, _PG(0, 2), True,
+    )
+    with pytest.raises(ValueError, match="NO_SHARD"):
+        FlatLayout.from_handle(h)

@@ -115,6 +115,20 @@ class FlatLayout:
         self.itemsize = _check_int(itemsize, "itemsize", 1)
         self._c = _core.FlatLayout(numels, world_size, align_numel)
 
+    @classmethod
+    def from_handle(cls, handle: Any) -> FlatLayout:
+        """The layout of a torch ``FlatParamHandle`` (an FSDP1 unit's
+        ``_handle``) with a sharded strategy: its real parameters' numels,
+        its world size and its alignment."""
+        if not handle.uses_sharded_strategy:
+            raise ValueError(
+                "FlatLayout.from_handle: a NO_SHARD handle is not sharded (every rank "
+                "holds its whole flat parameter)"
+            )
+        fp = handle.flat_param
+        return cls(list(fp._numels), handle.world_size, align_numel=handle._aligned_numel,
+                   itemsize=fp.element_size())
+
     # -- the layout ------------------------------------------------------
 
     @property
@@ -236,7 +250,8 @@ class FlatLayout:
         shape = getattr(flat_full, "shape", None)
         if shape is None or len(shape) != 1:
             raise ValueError(
-                f"unflatten: flat_full must be a 1-D array or tensor, got {type(flat_full).__name__}"
+                "unflatten: flat_full must be a 1-D array or tensor, got "
+                + type(flat_full).__name__
                 + (f" of shape {tuple(shape)}" if shape is not None else "")
             )
         if shape[0] not in (self.flat_numel, self.padded_numel):
@@ -282,6 +297,8 @@ def _as_buf(x: Any, what: str, *, writable: bool) -> _Buf:
             raise ValueError(f"{what} is read-only")
         if x.dtype.hasobject:
             raise ValueError(f"{what} holds Python objects")
+        if not x.dtype.isnative:
+            raise ValueError(f"{what} has non-native byte order ({x.dtype.str})")
         return _Buf(x, x.dtype.name, None)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
