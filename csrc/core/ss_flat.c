@@ -336,6 +336,7 @@ static int job_ops(const ss_flat_job *job, int unflatten,
         phi = p->start + p->numel;
         if (!unflatten) {
             off = (size_t)f->offset_in_shard * is;
+            assert(off >= cursor); /* parameters are in flat order */
             if ((rc = push(v, (char *)job->shard + cursor, NULL, job->pad,
                            off - cursor, is)) < 0)
                 goto nomem;
