@@ -470,3 +470,21 @@ def test_from_handle_refuses_no_shard():
     )
     with pytest.raises(ValueError, match="NO_SHARD"):
         FlatLayout.from_handle(h)
+
+
+def test_batch_mixes_dtypes_and_units():
+    """One call with float64 numpy state, bfloat16 tensors and float16 state
+    of different units: each job uses its own element size and padding."""
+    a = FlatLayout([5, 2], 3)
+    b = FlatLayout([3, 9], 2, align_numel=8, itemsize=2)
+    pa = [np.arange(5, dtype=np.float64), np.arange(2, dtype=np.float64) + 10]
+    pb = [torch.arange(3, dtype=torch.bfloat16), torch.arange(9, dtype=torch.bfloat16) + 20]
+    pc = [None, torch.full((9,), 3.0, dtype=torch.float16)]
+    oa = np.empty(a.shard_numel)
+    ob = torch.empty(b.shard_numel, dtype=torch.bfloat16)
+    oc = torch.empty(b.shard_numel, dtype=torch.float16)
+    flatten_many([(a, 2, pa, oa), (b, 0, pb, ob), (b, 1, pc, oc)])
+    assert oa.tolist() == [11.0, 0.0, 0.0]  # [p1[1], F.pad tail]
+    # b: p0 at 0..2, 5 alignment pad, p1 at 8..16, 1 world-size pad; shards of 9
+    assert ob.tolist() == [0.0, 1.0, 2.0] + [42.0] * 5 + [20.0]
+    assert oc.tolist() == [3.0] * 8 + [42.0]
