@@ -11,7 +11,7 @@ static int ss_exec(PyObject *m)
         return -1;
     if (ss_py_errors_init(m, st) < 0 || ss_py_pool_init(m, st) < 0 ||
         ss_py_crc_init(m, st) < 0 || ss_py_io_init(m, st) < 0 ||
-        ss_py_geom_init(m, st) < 0)
+        ss_py_geom_init(m, st) < 0 || ss_py_flat_init(m, st) < 0)
         return -1;
     return 0;
 }
@@ -25,6 +25,7 @@ static int ss_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ThreadPool_type);
     Py_VISIT(st->GeomIndex_type);
     Py_VISIT(st->FaultInjector_type);
+    Py_VISIT(st->FlatLayout_type);
     return 0;
 }
 
@@ -37,6 +38,7 @@ static int ss_clear(PyObject *m)
     Py_CLEAR(st->ThreadPool_type);
     Py_CLEAR(st->GeomIndex_type);
     Py_CLEAR(st->FaultInjector_type);
+    Py_CLEAR(st->FlatLayout_type);
     return 0;
 }
 
@@ -53,7 +55,7 @@ static PyModuleDef_Slot ss_slots[] = {
 PyModuleDef ss_module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "shardstate._core",
-    .m_doc = "shardstate's C core: checksums, parallel file I/O, chunk geometry.",
+    .m_doc = "shardstate's C core: checksums, parallel file I/O, chunk geometry, FSDP flat parameters.",
     .m_size = sizeof(ss_state),
     .m_slots = ss_slots,
     .m_traverse = ss_traverse,

@@ -21,6 +21,7 @@ typedef struct {
     PyTypeObject *ThreadPool_type;
     PyTypeObject *GeomIndex_type;
     PyTypeObject *FaultInjector_type;
+    PyTypeObject *FlatLayout_type;
 } ss_state;
 
 extern PyModuleDef ss_module_def;
@@ -52,5 +53,6 @@ int ss_py_pool_init(PyObject *m, ss_state *st);
 int ss_py_crc_init(PyObject *m, ss_state *st);
 int ss_py_io_init(PyObject *m, ss_state *st);
 int ss_py_geom_init(PyObject *m, ss_state *st);
+int ss_py_flat_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */
