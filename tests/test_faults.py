@@ -40,6 +40,7 @@ def _roundtrip(spec, faults=None, fsync=True):
         [sio.WriteJob(p, off, d) for p, off, d in spec],
         pool=POOL,
         fsync=fsync,
+        writeback=True,
         _piece=PIECE,
         _faults=faults,
     )
@@ -64,7 +65,7 @@ def clean_calls(tmp_path_factory):
     return {op: fi.calls(op) for op in OPS}
 
 
-OPS = ["open", "ftruncate", "pwrite", "fsync", "close", "fstat", "pread"]
+OPS = ["open", "ftruncate", "pwrite", "writeback", "fsync", "close", "fstat", "pread"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -90,6 +91,20 @@ def test_fault_matrix(tmp_path, clean_calls, op, err, which):
     assert _fds() == fds
     assert _tasks() == tasks
     _roundtrip(spec)  # the process is still usable
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINTR])
+def test_writeback_unsupported_is_only_a_hint(tmp_path, clean_calls, err):
+    """A file system without sync_file_range (or a signal) loses nothing:
+    the batch completes and the data is right; only real write errors
+    reported early (the matrix above: EIO, ENOSPC) fail it."""
+    spec = _dataset(tmp_path)
+    assert clean_calls["writeback"] >= 2  # one per written piece
+    fi = sio.FaultInjector()
+    fi.fail("writeback", 1, err)
+    fi.fail("writeback", clean_calls["writeback"], err)
+    _roundtrip(spec, fi)
+    assert fi.calls("writeback") == clean_calls["writeback"]
 
 
 @pytest.mark.parametrize("op", ["pwrite", "pread"])

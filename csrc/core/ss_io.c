@@ -90,6 +90,7 @@ typedef struct {
     uint32_t *piece_crc;
     int checksum; /* every job's CRC is computed */
     int verify;   /* read jobs with has_crc get theirs computed and checked */
+    int writeback; /* written pieces get their writeback started */
     atomic_int failed;
     pthread_mutex_t mu;
     ss_errinfo first;
@@ -147,8 +148,17 @@ static void piece_task(void *ctx, size_t i)
         if (b->checksum) /* just before the write: the bytes stay in cache */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
         rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
-        if (rc < 0)
+        if (rc < 0) {
             record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
+        } else if (b->writeback && pc->len > 0) {
+            rc = b->os->writeback(b->os, b->fds[file], off, (int64_t)pc->len);
+            /* only a hint: a file system without it is no error, but a
+             * write error it reports early (EIO, ENOSPC) is */
+            if (rc < 0 && rc != -EINVAL && rc != -ENOSYS && rc != -ESPIPE &&
+                rc != -EOPNOTSUPP && rc != -EINTR)
+                record(b, rc, "writeback", b->paths[file], off,
+                       (int64_t)pc->job);
+        }
     } else {
         char *p = (char *)b->r[pc->job].dst + pc->start;
         rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
@@ -302,6 +312,7 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     }
     psize = opts->piece ? opts->piece : SS_IO_PIECE_DEFAULT;
     b.checksum = opts->checksum;
+    b.writeback = opts->writeback;
     b.verify = opts->verify;
 
     b.fds = malloc((npaths ? npaths : 1) * sizeof *b.fds);

@@ -45,9 +45,13 @@ typedef struct ss_io_opts {
     int fsync;    /* write: fsync every file before closing it */
     int checksum; /* compute every job's CRC (else reported as 0) */
     int verify;   /* read: compute and compare the CRC of jobs with has_crc */
+    /* write: start writeback of each piece as soon as it is written, so a
+     * later fsync (here or the caller's) finds little left to do; a file
+     * system without the call ignores it */
+    int writeback;
 } ss_io_opts;
 
-#define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1}
+#define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0}
 
 typedef struct ss_io_wjob {
     const void *src;

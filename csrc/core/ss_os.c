@@ -96,9 +96,24 @@ static int px_fsync_dir(const ss_os *os, const char *dir)
     return rc;
 }
 
+static int px_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
+{
+    (void)os;
+#if defined(__linux__)
+    if (sync_file_range(fd, (off_t)off, (off_t)n, SYNC_FILE_RANGE_WRITE) < 0)
+        return -errno;
+#else
+    (void)fd;
+    (void)off;
+    (void)n;
+#endif
+    return 0;
+}
+
 static const ss_os posix_os = {
-    NULL,     px_open,      px_close,  px_pwrite, px_pread,    px_fsync,
-    px_fsize, px_ftruncate, px_rename, px_unlink, px_fsync_dir,
+    NULL,      px_open,      px_close,  px_pwrite, px_pread,
+    px_fsync,  px_fsize,     px_ftruncate, px_rename, px_unlink,
+    px_fsync_dir, px_writeback,
 };
 
 const ss_os *ss_os_default(void) { return &posix_os; }
@@ -267,6 +282,12 @@ static int fi_fsync_dir(const ss_os *os, const char *dir)
     return base_of(os)->fsync_dir(base_of(os), dir);
 }
 
+static int fi_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
+{
+    SS__INJECT(os, SS_OS_WRITEBACK);
+    return base_of(os)->writeback(base_of(os), fd, off, n);
+}
+
 int ss_faults_new(ss_faults **out, const ss_os *base)
 {
     ss_faults *f = calloc(1, sizeof *f);
@@ -274,9 +295,9 @@ int ss_faults_new(ss_faults **out, const ss_os *base)
     *out = NULL;
     if (f == NULL)
         return SS_ENOMEM;
-    f->vt = (ss_os){f,        fi_open,      fi_close,  fi_pwrite,
-                    fi_pread, fi_fsync,     fi_fsize,  fi_ftruncate,
-                    fi_rename, fi_unlink,   fi_fsync_dir};
+    f->vt = (ss_os){f,         fi_open,      fi_close,     fi_pwrite,
+                    fi_pread,  fi_fsync,     fi_fsize,     fi_ftruncate,
+                    fi_rename, fi_unlink,    fi_fsync_dir, fi_writeback};
     f->base = base != NULL ? base : ss_os_default();
     for (int i = 0; i < SS_OS_NOPS; i++)
         atomic_init(&f->calls[i], 0);

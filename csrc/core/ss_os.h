@@ -45,6 +45,9 @@ struct ss_os {
     int (*unlink)(const ss_os *os, const char *path);
     /* Open the directory read-only, fsync it, close it. */
     int (*fsync_dir)(const ss_os *os, const char *dir);
+    /* Start writeback of [off, off + n) without waiting for it (Linux
+     * sync_file_range WRITE); 0 where the system has no such call. */
+    int (*writeback)(const ss_os *os, int fd, int64_t off, int64_t n);
 };
 
 /* The operations, for counting and arming faults. */
@@ -58,7 +61,8 @@ struct ss_os {
     X(SS_OS_FTRUNCATE, "ftruncate")                                           \
     X(SS_OS_RENAME, "rename")                                                 \
     X(SS_OS_UNLINK, "unlink")                                                 \
-    X(SS_OS_FSYNC_DIR, "fsync_dir")
+    X(SS_OS_FSYNC_DIR, "fsync_dir")                                           \
+    X(SS_OS_WRITEBACK, "writeback")
 
 typedef enum {
 #define SS__OP_ENUM(name, str) name,

@@ -174,7 +174,7 @@ static PyType_Slot FaultInjector_slots[] = {
                 "Counts the system calls of the batches it is passed to "
                 "(faults=) and makes chosen ones fail, transfer short or "
                 "report EINTR. Ops: open, close, pwrite, pread, fsync, "
-                "fstat, ftruncate, rename, unlink, fsync_dir."},
+                "fstat, ftruncate, rename, unlink, fsync_dir, writeback."},
     {0, NULL},
 };
 
@@ -435,11 +435,12 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     PyObject *result = NULL;
     int rc;
 
-    if (check_nargs("write_batch", nargs, 9) < 0 || get_batch(args, 0, &a) < 0 ||
+    if (check_nargs("write_batch", nargs, 10) < 0 || get_batch(args, 0, &a) < 0 ||
         ss_py_pool_arg(st, args[4], &pool) < 0 ||
         (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
-        piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0)
+        piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0 ||
+        (o.writeback = PyObject_IsTrue(args[9])) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -630,10 +631,11 @@ static PyObject *py_raw_pread(PyObject *m, PyObject *const *args,
 static PyMethodDef io_methods[] = {
     {"write_batch", (PyCFunction)(void (*)(void))py_write_batch, METH_FASTCALL,
      "write_batch(paths, file_idx, offsets, buffers, pool, fsync, checksum, "
-     "piece, faults)\n--\n\n"
+     "piece, faults, writeback)\n--\n\n"
      "Write buffers[j] at offsets[j] of paths[file_idx[j]] (files are "
      "created or truncated), with the GIL released. Returns the CRC-32 of "
-     "each job (0s when checksum is false). piece 0 = default."},
+     "each job (0s when checksum is false). piece 0 = default. writeback: "
+     "start each written piece's writeback at once."},
     {"read_batch", (PyCFunction)(void (*)(void))py_read_batch, METH_FASTCALL,
      "read_batch(paths, file_idx, offsets, buffers, crcs, pool, verify, "
      "checksum, piece, faults)\n--\n\n"

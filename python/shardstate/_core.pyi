@@ -107,6 +107,7 @@ def write_batch(
     checksum: bool,
     piece: int,
     faults: FaultInjector | None,
+    writeback: bool,
     /,
 ) -> list[int]: ...
 def read_batch(

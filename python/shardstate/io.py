@@ -122,13 +122,17 @@ def write(
     threads: int | None = None,
     fsync: bool = False,
     checksum: bool = True,
+    writeback: bool = False,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
     """Write every job; return each job's CRC-32 (0s when ``checksum`` is
     false). Every file named by the jobs is created or truncated first
     (O_CREAT|O_TRUNC), then sized to its last job's end; gaps read as zeros.
-    With ``fsync`` every file is fsynced before the call returns. Jobs in one
+    With ``fsync`` every file is fsynced before the call returns. With
+    ``writeback`` each piece's writeback to disk starts as soon as it is
+    written (Linux sync_file_range), overlapping the disk with the rest of
+    the batch so a later fsync has little left to wait for. Jobs in one
     file must not overlap. Raises ShardstateIOError (an OSError with errno
     and filename) on a system failure; the files are then left in an
     unspecified state."""
@@ -144,6 +148,7 @@ def write(
         bool(checksum),
         _piece,
         _faults,
+        bool(writeback),
     )
 
 

@@ -94,6 +94,7 @@ static void roundtrip(const ss_os *os, int fsync_on)
     ss_io_opts o = opts_piece();
     ss_errinfo e;
     o.fsync = fsync_on;
+    o.writeback = fsync_on;
     CHECK_EQ_INT(ss_io_write(os, pool, paths, NFILES, wjobs, NJOBS, &o, wcrc,
                              &e), 0);
     for (int j = 0; j < NJOBS; j++) {
@@ -203,8 +204,9 @@ static uint64_t calls_of(ss_faults *f, int op, int fsync_on)
 
 static void test_fault_matrix(void)
 {
-    static const char *const ops[] = {"open",  "ftruncate", "pwrite", "fsync",
-                                      "close", "fstat",     "pread"};
+    static const char *const ops[] = {"open",  "ftruncate", "pwrite",
+                                      "writeback", "fsync", "close",
+                                      "fstat", "pread"};
     static const int errs[] = {ENOSPC, EIO};
     ss_faults *f = NULL;
     CHECK_EQ_INT(ss_faults_new(&f, NULL), 0);
@@ -221,6 +223,7 @@ static void test_fault_matrix(void)
                 CHECK_EQ_INT(ss_faults_fail(f, op, ks[ki], errs[ei]), 0);
                 ss_io_opts o = opts_piece();
                 o.fsync = 1;
+                o.writeback = 1;
                 /* the op fails in the write or in the read */
                 int rc = ss_io_write(ss_faults_os(f), pool, paths, NFILES,
                                      wjobs, NJOBS, &o, NULL, &e);
@@ -238,6 +241,24 @@ static void test_fault_matrix(void)
                 roundtrip(NULL, 0); /* still usable */
             }
         }
+    }
+    ss_faults_free(f);
+}
+
+/* writeback is a hint: "not supported here" (or a signal) loses nothing. */
+static void test_writeback_unsupported(void)
+{
+    static const int errs[] = {EINVAL, ENOSYS, EOPNOTSUPP, EINTR};
+    ss_faults *f = NULL;
+    CHECK_EQ_INT(ss_faults_new(&f, NULL), 0);
+    uint64_t last = calls_of(f, SS_OS_WRITEBACK, 1);
+    CHECK(last >= 2);
+    for (size_t ei = 0; ei < sizeof errs / sizeof *errs; ei++) {
+        ss_faults_reset(f);
+        CHECK_EQ_INT(ss_faults_fail(f, SS_OS_WRITEBACK, 1, errs[ei]), 0);
+        CHECK_EQ_INT(ss_faults_fail(f, SS_OS_WRITEBACK, last, errs[ei]), 0);
+        roundtrip(ss_faults_os(f), 1);
+        CHECK_EQ_INT(ss_faults_calls(f, SS_OS_WRITEBACK), last);
     }
     ss_faults_free(f);
 }
@@ -398,6 +419,7 @@ int main(void)
     RUN(test_checksum_mismatch);
     RUN(test_range_and_validation);
     RUN(test_fault_matrix);
+    RUN(test_writeback_unsupported);
     RUN(test_short_and_eintr);
     RUN(test_file_shrinks_during_read);
     RUN(test_publish);
