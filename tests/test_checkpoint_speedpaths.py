@@ -229,3 +229,77 @@ def test_staging_waits_when_every_slot_is_busy():
     pool.release(b)
     pool.release(got[0])
     assert pool._busy == 0 and len(pool._free) == 2
+
+
+# ---------------------------------------------------------------------------
+# Plan caching (on by default in save)
+# ---------------------------------------------------------------------------
+
+
+def _cached_saves(rank: int, world: int, root: str) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardstate.checkpoint import default_planner as dpm
+
+    planned: list[int] = []
+    real = dpm.DefaultSavePlanner._create_global_plan
+
+    def spy(self, plans):
+        planned.append(sum(len(p.items) for p in plans))
+        return real(self, plans)
+
+    dpm.DefaultSavePlanner._create_global_plan = spy
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(_full("w"), mesh, [Shard(0)]),
+          "r": distribute_tensor(_full("r"), mesh, [Replicate()]),
+          "step": 3, "own": torch.full((2,), float(rank))}
+    names = []
+    for i in range(3):
+        sd["w"].to_local().add_(1.0)  # new values, same structure
+        names.append(f"same{i}")
+        dcp.save(sd, checkpoint_id=f"{root}/ss_{names[-1]}")
+        tdcp.save(sd, checkpoint_id=f"{root}/t_{names[-1]}")
+    # A save whose global plan fails must leave the caches in step.
+    bad = dict(sd, w=torch.zeros(3) if rank == 0 else sd["w"])
+    try:
+        dcp.save(bad, checkpoint_id=f"{root}/ss_bad")
+    except dcp.CheckpointException:
+        pass
+    else:
+        raise AssertionError("a key saved as a DTensor and a tensor should not plan")
+    sd["extra"] = torch.arange(4)  # the structure changes
+    for name in ("changed", "again"):
+        names.append(name)
+        dcp.save(sd, checkpoint_id=f"{root}/ss_{name}")
+        tdcp.save(sd, checkpoint_id=f"{root}/t_{name}")
+    dpm.DefaultSavePlanner._create_global_plan = real
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        for name in names:
+            ours, theirs = Path(root, f"ss_{name}"), Path(root, f"t_{name}")
+            assert sorted(p.name for p in ours.iterdir()) == \
+                sorted(p.name for p in theirs.iterdir()), name
+            for p in ours.iterdir():
+                if p.suffix == ".distcp":
+                    assert p.read_bytes() == (theirs / p.name).read_bytes(), (name, p.name)
+            a = pickle.loads((ours / ".metadata").read_bytes())
+            b = pickle.loads((theirs / ".metadata").read_bytes())
+            assert a.state_dict_metadata == b.state_dict_metadata, name
+            assert a.storage_data == b.storage_data, name
+    back = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
+            "extra": torch.zeros(4, dtype=torch.int64), "step": 0}
+    tdcp.load(back, checkpoint_id=f"{root}/ss_again")
+    assert torch.equal(back["w"].full_tensor(), sd["w"].full_tensor())
+    assert torch.equal(back["extra"], torch.arange(4)) and back["step"] == 3
+    return planned
+
+
+def test_save_caches_plans_of_the_same_structure(tmp_path, run_distributed):
+    planned = run_distributed(_cached_saves, 3, str(tmp_path))
+    # The coordinator planned the first save, the failed one, the changed
+    # structure; the repeats of an unchanged structure planned nothing.
+    assert len(planned[0]) == 3, planned[0]
+    assert planned[1] == planned[2] == []

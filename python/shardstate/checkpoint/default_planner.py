@@ -385,8 +385,10 @@ class DefaultSavePlanner(SavePlanner):
             delta = [SavePlan([], usable=False)] * len(all_plans)
             return delta, SavePlanner._cached_global_plan[key], SavePlanner._cached_metadata[key]
         merged = _merge_delta_local_plans(SavePlanner._cached_all_plans[key], all_plans)
-        SavePlanner._cached_all_plans[key] = merged
+        # (cached only once it validates: a failed save leaves every cache
+        # as it was, so the ranks' and the coordinator's stay in step)
         global_plan, metadata = self._create_global_plan(merged)
+        SavePlanner._cached_all_plans[key] = merged
         delta = []
         cached_global = SavePlanner._cached_global_plan.get(key)
         if cached_global is not None:

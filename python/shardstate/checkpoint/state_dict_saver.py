@@ -23,10 +23,26 @@ def _stateful_to_state_dict(state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
-def _default_save_planner() -> Any:
+def _default_save_planner(coord: _Coordinator, use_collectives: bool) -> Any:
+    """torch's default planner, with plan caching on: a training loop saves
+    the same structure again and again, and then no rank sends its plan and
+    the coordinator plans nothing (torch leaves caching off by default).
+
+    The cache is per process group and mode (its own key): every member of
+    a group makes that group's saves in the same order, which keeps the
+    ranks' cached plans and the coordinator's in step; saves on other
+    groups, async_save's private group in its thread, and saves without
+    collectives (where each rank plans alone) never touch it."""
     from .default_planner import DefaultSavePlanner
 
-    return DefaultSavePlanner()
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    if coord.use_dist and use_collectives:
+        group = "default" if coord.group is None else f"group{id(coord.group)}"
+        planner._cached_plans_key = (f"shardstate.DefaultSavePlanner@{group}/"
+                                     f"{coord.world_size}/{coord.coordinator_rank}")
+    else:  # this rank plans alone
+        planner._cached_plans_key = "shardstate.DefaultSavePlanner@local"
+    return planner
 
 
 def save(
@@ -64,7 +80,7 @@ def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinat
     async_save's staging); it is raised in the planning step, so every rank
     hears of it."""
     if planner is None:
-        planner = _default_save_planner()
+        planner = _default_save_planner(coord, use_collectives)
     global_metadata: Metadata | None = None
 
     def local_step() -> Any:
