@@ -340,3 +340,169 @@ def _matrix(rank: int, world_size: int) -> int:
 def test_matches_torch(run_distributed, world_size: int) -> None:
     checks = run_distributed(_matrix, world_size)
     assert len(set(checks)) == 1 and checks[0] > 100, checks
+
+
+# ---------------------------------------------------------------------------
+# Collectives: one per unit and tensor state name; rank0_only gathers/scatters
+# ---------------------------------------------------------------------------
+
+_COUNTED = ("gather", "all_gather_into_tensor", "all_gather", "scatter", "broadcast")
+
+
+def _count_collectives(fn: Any) -> dict[str, int]:
+    counts = dict.fromkeys(_COUNTED, 0)
+    saved = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    for name in _COUNTED:
+        setattr(dist, name, counting(name))
+    try:
+        fn()
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+    return {k: v for k, v in counts.items() if v}
+
+
+def _collectives(rank: int, world_size: int, use_orig_params: bool) -> list[dict[str, int]]:
+    cm = _quiet()
+    try:
+        model, optim = _setup(rank, use_orig_params, "adam")
+        out = []
+        _set_type(model, False, rank0_only=True)
+        full: dict[str, Any] = {}
+
+        def save() -> None:
+            full.update(ssf.optim_state_dict(model, optim))
+
+        out.append(_count_collectives(save))
+        out.append(_count_collectives(lambda: ssf.optim_state_dict_to_load(model, optim, full)))
+        _set_type(model, False, rank0_only=False)
+        out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
+        _set_type(model, True)
+        out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_one_collective_per_unit_and_state(run_distributed, use_orig_params: bool) -> None:
+    # Units with state: block1, block2 and the root (the frozen layer has
+    # none); Adam's tensor states: exp_avg and exp_avg_sq -> 3 * 2.
+    per_rank = run_distributed(_collectives, 3, use_orig_params)
+    for rank, (r0_save, r0_load, full_save, sharded_save) in enumerate(per_rank):
+        assert r0_save == {"gather": 6}, (rank, r0_save)  # never all-gathered: no full copy off rank 0
+        assert r0_load == {"scatter": 6}, (rank, r0_load)  # no full tensor broadcast
+        assert full_save == {"all_gather_into_tensor": 6}, (rank, full_save)
+        assert sharded_save == {"all_gather_into_tensor": 6}, (rank, sharded_save)
+
+
+# ---------------------------------------------------------------------------
+# Missing or inconsistent state: torch's errors
+# ---------------------------------------------------------------------------
+
+
+def _corrupt(osd: dict[str, Any], how: str) -> dict[str, Any]:
+    osd = copy.deepcopy(osd)
+    st = osd["state"]
+    if how == "step_differs":
+        st["block1.0.weight"]["step"] = torch.tensor(99.0)
+    elif how == "step_dtype":
+        st["block1.0.weight"]["step"] = st["block1.0.weight"]["step"].double()
+    elif how == "shape":
+        st["block1.0.bias"]["exp_avg"] = torch.zeros(2, 2)
+    elif how == "dtype":
+        st["block1.0.bias"]["exp_avg"] = st["block1.0.bias"]["exp_avg"].double()
+    elif how == "names_differ":
+        del st["block1.0.bias"]["exp_avg_sq"]
+    elif how == "param_missing":
+        del st["block1.0.bias"]
+    elif how == "types_differ":
+        st["block1.0.bias"]["exp_avg"] = 1.5
+    elif how == "no_state_key":
+        del osd["state"]
+    return osd
+
+
+_CORRUPTIONS = (
+    "step_differs", "step_dtype", "shape", "dtype", "names_differ", "param_missing",
+    "types_differ", "no_state_key",
+)
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def _errors(rank: int, world_size: int) -> list[tuple[str, str, tuple[str, str], tuple[str, str]]]:
+    cm = _quiet()
+    try:
+        model, optim = _setup(rank, False, "adam")
+        _set_type(model, False)
+        good = ssf.optim_state_dict(model, optim)
+        out = []
+        for how in _CORRUPTIONS:
+            bad = _corrupt(good, how)
+            for api in ("shard_full", "scatter"):
+                if api == "scatter" and how == "no_state_key":
+                    continue  # rank 0 would fail inside torch's own skeleton broadcast
+                if api == "shard_full":
+                    ours = _outcome(lambda: ssf.shard_full_optim_state_dict(bad, model, optim=optim))
+                    theirs = _outcome(lambda: FSDP.shard_full_optim_state_dict(bad, model, optim=optim))
+                else:
+                    src = bad if rank == 0 else None
+                    ours = _outcome(lambda: ssf.scatter_full_optim_state_dict(src, model, optim=optim))
+                    theirs = _outcome(lambda: FSDP.scatter_full_optim_state_dict(src, model, optim=optim))
+                out.append((how, api, ours, theirs))
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def test_errors_match_torch(run_distributed) -> None:
+    per_rank = run_distributed(_errors, 2)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 2 * len(_CORRUPTIONS) - 1
+        by_case = {(how, api): ours for how, api, ours, _ in results}
+        for how, api, (our_type, our_msg), (their_type, their_msg) in results:
+            where = f"rank {rank}, {how}, {api}"
+            assert their_type != "ok", f"{where}: torch accepted it; the case tests nothing"
+            if (how, api) == ("param_missing", "scatter"):
+                # torch's broadcast loop indexes every FQN of the FlatParameter
+                # and fails with a bare KeyError('block1.0.bias'); ours says
+                # what shard_full_optim_state_dict says (the missing step).
+                assert their_type == "KeyError", (their_type, their_msg)
+                assert (our_type, our_msg) == by_case[("param_missing", "shard_full")], where
+                continue
+            assert our_type == their_type, f"{where}: {our_type}({our_msg}) vs {their_type}({their_msg})"
+            # Ours may say more (which state of which parameter), never less;
+            # spacing aside (torch's "state"to has lost a space).
+            # Values are printed differently (torch prints whole tensors, we print shapes).
+            head = their_msg.split(":")[0].split("[")[0].split("{")[0]
+            ours_flat, theirs_head = "".join(our_msg.split()), "".join(head.split())
+            assert ours_flat.startswith(theirs_head), f"{where}: {our_msg!r} vs {their_msg!r}"
+
+
+def _not_fsdp(rank: int, world_size: int) -> str:
+    model = nn.Linear(3, 3)
+    optim = torch.optim.Adam(model.parameters())
+    try:
+        ssf.full_optim_state_dict(model, optim)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_plain_model_is_refused(run_distributed) -> None:
+    (msg,) = run_distributed(_not_fsdp, 1)
+    assert "holds no FullyShardedDataParallel module" in msg and "Linear" in msg

@@ -104,6 +104,13 @@ def _is_pos_dim(v: Any) -> bool:
     return isinstance(v, _PosDimTensorInfo) or (torch.is_tensor(v) and v.dim() > 0)
 
 
+def _describe(v: Any) -> str:
+    """A state value for an error message: tensors by shape and dtype, not by contents."""
+    if isinstance(v, _PosDimTensorInfo) or torch.is_tensor(v):
+        return f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+    return repr(v)
+
+
 def _chunk(fsdp_state: Any, value: torch.Tensor) -> torch.Tensor:
     """``value`` as the sharded (dim-0 chunked) tensor torch's SHARDED state dict holds."""
     if getattr(fsdp_state._optim_state_dict_config, "_use_dtensor", False):
@@ -516,7 +523,8 @@ def _flatten_flat_unit(
         if len(types) != 1 or not (pos or zero or non):
             raise ValueError(
                 f"Differing optimizer state types for state {state_name}, values "
-                f"{present}, and unflattened parameter names {names}"
+                f"[{', '.join(_describe(v) for v in values)}], and unflattened parameter "
+                f"names {names}"
             )
         if pos:
             dtype = _check_tensor_states(state_name, values, names, layout.shapes)
