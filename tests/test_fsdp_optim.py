@@ -346,7 +346,9 @@ def test_matches_torch(run_distributed, world_size: int) -> None:
 # Collectives: one per unit and tensor state name; rank0_only gathers/scatters
 # ---------------------------------------------------------------------------
 
-_COUNTED = ("gather", "all_gather_into_tensor", "all_gather", "scatter", "broadcast")
+_COUNTED = (
+    "gather", "all_gather_into_tensor", "all_gather", "scatter", "broadcast", "all_to_all_single",
+)
 
 
 def _count_collectives(fn: Any) -> dict[str, int]:
@@ -400,7 +402,8 @@ def test_one_collective_per_unit_and_state(run_distributed, use_orig_params: boo
         assert r0_save == {"gather": 6}, (rank, r0_save)  # never all-gathered: no full copy off rank 0
         assert r0_load == {"scatter": 6}, (rank, r0_load)  # no full tensor broadcast
         assert full_save == {"all_gather_into_tensor": 6}, (rank, full_save)
-        assert sharded_save == {"all_gather_into_tensor": 6}, (rank, sharded_save)
+        # Each rank receives only its dim-0 chunks, never the whole unit.
+        assert sharded_save == {"all_to_all_single": 6}, (rank, sharded_save)
 
 
 # ---------------------------------------------------------------------------

@@ -215,3 +215,91 @@ def slice_local(layout: UnitLayout, i: int, source: torch.Tensor, *, full: bool)
         raise ValueError(f"a shard has {layout.shard_numel} elements, got {source.numel()}")
     off = info.offset_in_shard
     return source[off : off + info.numel_in_shard].clone()
+
+
+@dataclass(frozen=True)
+class Dim0Plan:
+    """How one unit's flat shards become every parameter's dim-0 chunks (an all-to-all).
+
+    Rank ``r``'s chunk of parameter ``i`` is ``torch.chunk(param, W, dim=0)[r]``
+    (empty where torch.chunk returns fewer than W chunks). This rank sends
+    ``send_sizes[d]`` elements to rank ``d``, packed from its flat shard by
+    ``send_segments`` ((offset in shard, numel) in order), and receives
+    ``recv_sizes[s]`` from rank ``s``; ``recv_segments[i]`` lists where
+    parameter ``i``'s chunk lies in the receive buffer, in order.
+    """
+
+    send_sizes: tuple[int, ...]
+    recv_sizes: tuple[int, ...]
+    send_segments: tuple[tuple[int, int], ...]
+    recv_segments: tuple[tuple[tuple[int, int], ...], ...]
+    chunk_numels: tuple[int, ...]
+
+
+def _dim0_range(numel: int, shape: torch.Size, world_size: int, r: int) -> tuple[int, int]:
+    rows = shape[0]
+    row = numel // rows
+    c0 = -(-rows // world_size)
+    lo = min(r * c0, rows)
+    hi = min((r + 1) * c0, rows)
+    return lo * row, hi * row
+
+
+def dim0_plan(layout: UnitLayout) -> Dim0Plan | None:
+    """The all-to-all plan, or None if a parameter has no dim 0 to chunk (0-dim or empty)."""
+    if any(len(s) == 0 or s[0] == 0 for s in layout.shapes):
+        return None
+    W, me, S = layout.world_size, layout.rank, layout.shard_numel
+
+    def piece(s: int, d: int, i: int) -> tuple[int, int]:
+        lo, hi = _dim0_range(layout.numels[i], layout.shapes[i], W, d)
+        lo = max(lo + layout.offsets[i], s * S)
+        hi = min(hi + layout.offsets[i], (s + 1) * S)
+        return lo, max(lo, hi)
+
+    send_sizes, send_segments = [], []
+    for d in range(W):
+        total = 0
+        for i in range(layout.num_params):
+            lo, hi = piece(me, d, i)
+            if hi > lo:
+                send_segments.append((lo - me * S, hi - lo))
+                total += hi - lo
+        send_sizes.append(total)
+    recv_sizes = []
+    per_param: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_params)]
+    pos = 0
+    for s in range(W):
+        start = pos
+        for i in range(layout.num_params):
+            lo, hi = piece(s, me, i)
+            if hi > lo:
+                per_param[i].append((pos, hi - lo))
+                pos += hi - lo
+        recv_sizes.append(pos - start)
+    chunk_numels = []
+    for i in range(layout.num_params):
+        lo, hi = _dim0_range(layout.numels[i], layout.shapes[i], W, me)
+        n = hi - lo
+        if sum(k for _, k in per_param[i]) != n:
+            raise AssertionError(f"dim-0 plan: parameter {i}'s chunk is not covered exactly")
+        chunk_numels.append(n)
+    return Dim0Plan(
+        send_sizes=tuple(send_sizes),
+        recv_sizes=tuple(recv_sizes),
+        send_segments=tuple(send_segments),
+        recv_segments=tuple(tuple(p) for p in per_param),
+        chunk_numels=tuple(chunk_numels),
+    )
+
+
+def pack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
+    """``out`` = the concatenation of ``src[off:off+n]`` for each segment."""
+    pos = 0
+    for off, n in segments:
+        if off < 0 or off + n > src.numel() or pos + n > out.numel():
+            raise ValueError(f"segment ({off}, {n}) outside a buffer of {src.numel()}")
+        out[pos : pos + n].copy_(src[off : off + n])
+        pos += n
+    if pos != out.numel():
+        raise ValueError(f"segments cover {pos} of {out.numel()} elements")

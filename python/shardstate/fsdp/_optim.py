@@ -28,6 +28,8 @@ equal torch's by construction. Layout and bulk copies go through ``_flatops``.
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any, cast
@@ -36,10 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._traversal_utils as traversal_utils
 import torch.nn as nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed._state_dict_utils import _gather_state_dict
+from torch.distributed.distributed_c10d import _get_pg_default_device
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chunk_tensor
+from torch.distributed.fsdp._shard_utils import _get_remote_device_str
 from torch.distributed.fsdp._optim_utils import (
     FSDPParamInfo,
     _allgather_state_info,
@@ -131,6 +138,79 @@ def _chunk(fsdp_state: Any, value: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _fast_sharded(fsdp_state: Any) -> bool:
+    """Whether SHARDED results can be built by an all-to-all (plain ShardedTensors)."""
+    return not getattr(fsdp_state._optim_state_dict_config, "_use_dtensor", False) and (
+        fsdp_state._fsdp_extension is None
+    )
+
+
+def _dim0_chunks(
+    local: torch.Tensor, layout: _flatops.UnitLayout, pg: dist.ProcessGroup | None, what: str
+) -> list[torch.Tensor] | None:
+    """One all-to-all: every rank's flat shard -> this rank's dim-0 chunk of every parameter.
+
+    Each rank receives about one shard's worth instead of the whole unit.
+    None when a parameter cannot be chunked on dim 0 (the caller gathers instead).
+    """
+    plan = _flatops.dim0_plan(layout)
+    if plan is None:
+        return None
+    if local.dim() != 1 or local.numel() != layout.shard_numel:
+        raise ValueError(
+            f"optimizer state {what} should be this rank's flat shard of "
+            f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
+        )
+    send = local.new_empty(sum(plan.send_sizes))
+    _flatops.pack_segments(local, plan.send_segments, send)
+    recv = local.new_empty(sum(plan.recv_sizes))
+    dist.all_to_all_single(recv, send, list(plan.recv_sizes), list(plan.send_sizes), group=pg)
+    del send
+    out = []
+    for i, n in enumerate(plan.chunk_numels):
+        chunk = local.new_empty(n)
+        _flatops.pack_segments(recv, plan.recv_segments[i], chunk)
+        out.append(chunk)
+    return out
+
+
+def _sharded_tensor(fsdp_state: Any, chunk: torch.Tensor, size: torch.Size) -> ShardedTensor:
+    """torch's ``_create_chunk_sharded_tensor`` for a tensor of ``size`` of which we hold only our chunk."""
+    ws, rank, pg = fsdp_state.world_size, fsdp_state.rank, fsdp_state.process_group
+    chunks = torch.empty(size, device="meta").chunk(ws, dim=0)
+    local_shards = []
+    if len(chunks) > rank:
+        offsets = [0] * len(size)
+        offsets[0] = math.ceil(size[0] / ws) * rank
+        local = chunk.view(chunks[rank].shape)
+        local_shards = [Shard.from_tensor_and_offsets(local, offsets, rank)]
+    chunk_sizes = [list(c.size()) for c in chunks]
+    dim0_offsets = [0] + list(itertools.accumulate(cs[0] for cs in chunk_sizes))[:-1]
+    chunk_offsets = [[d0] + [0] * (len(size) - 1) for d0 in dim0_offsets]
+    device_type = _get_pg_default_device(pg).type
+    ndev = fsdp_state._device_handle.device_count()
+    placements = [
+        _get_remote_device_str(dist.get_global_rank(pg, r), device_type, ndev)
+        for r in range(len(chunk_sizes))
+    ]
+    metadata = ShardedTensorMetadata(
+        shards_metadata=[
+            ShardMetadata(off, sz, pl) for off, sz, pl in zip(chunk_offsets, chunk_sizes, placements)
+        ],
+        size=size,
+        tensor_properties=TensorProperties(
+            dtype=chunk.dtype,
+            layout=chunk.layout,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        ),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=metadata, process_group=pg
+    )
+
+
 def _gather_flat(
     local: torch.Tensor,
     layout: _flatops.UnitLayout,
@@ -184,6 +264,7 @@ def _unflatten_flat_state(
     fsdp_state = info.state
     layout = _layout(info)
     tensor_state: dict[str, torch.Tensor | None] = {}
+    chunked: dict[str, list[torch.Tensor]] = {}  # SHARDED via all-to-all: our dim-0 chunks
     zero_dim: dict[str, torch.Tensor] = {}
     non_tensor: dict[str, Any] = {}
     for name, value in sorted_items(flat_state):
@@ -195,6 +276,12 @@ def _unflatten_flat_state(
                 raise AssertionError("compute_device has not been initialized")
             if value.device.type != fsdp_state.compute_device.type:
                 value = value.to(fsdp_state.compute_device)
+            if shard_state and _fast_sharded(fsdp_state):
+                chunks = _dim0_chunks(value, layout, fsdp_state.process_group, repr(name))
+                if chunks is not None:
+                    chunked[name] = chunks
+                    tensor_state[name] = None
+                    continue
             tensor_state[name] = _gather_flat(
                 value, layout, fsdp_state.process_group, to_rank0, repr(name)
             )
@@ -204,11 +291,16 @@ def _unflatten_flat_state(
             non_tensor[name] = value
     if not to_save:
         return []
-    views = {name: _flatops.unflatten(layout, cast(torch.Tensor, t)) for name, t in tensor_state.items()}
+    views = {
+        name: _flatops.unflatten(layout, t) for name, t in tensor_state.items() if t is not None
+    }
     out: list[dict[str, Any]] = []
     for i in range(layout.num_params):
         state: dict[str, Any] = {}
         for name in tensor_state:
+            if name in chunked:
+                state[name] = _sharded_tensor(fsdp_state, chunked[name][i], layout.shapes[i])
+                continue
             v = views[name][i]
             state[name] = _chunk(fsdp_state, v) if shard_state else v
         state.update(zero_dim)
@@ -278,6 +370,15 @@ def _gather_orig_unit(
         for name, pieces in state_buffers.items():
             local = torch.empty(layout.shard_numel, dtype=dtype, device=fsdp_state.compute_device)
             _flatops.pack_local_into(layout, pieces, local)
+            chunks = None
+            if shard_state and _fast_sharded(fsdp_state):
+                chunks = _dim0_chunks(local, layout, fsdp_state.process_group, repr(name))
+            if chunks is not None:
+                for fqn, idx in info.param_indices.items():
+                    if fqn in output_states:
+                        value = _sharded_tensor(fsdp_state, chunks[idx], layout.shapes[idx])
+                        output_states[fqn][name] = value.cpu() if cpu_offload else value
+                continue
             full = _gather_flat(local, layout, fsdp_state.process_group, to_rank0, repr(name))
             del local
             if full is None or not to_save:
