@@ -168,8 +168,15 @@ def _dim0_chunks(
     del send
     out = []
     for i, n in enumerate(plan.chunk_numels):
+        segs = plan.recv_segments[i]
+        if len(segs) == 1:
+            # The chunk came whole from one rank: a view, no copy (all of
+            # recv belongs to some chunk, so the views waste nothing).
+            off, k = segs[0]
+            out.append(recv[off : off + k])
+            continue
         chunk = local.new_empty(n)
-        _flatops.pack_segments(recv, plan.recv_segments[i], chunk)
+        _flatops.pack_segments(recv, segs, chunk)
         out.append(chunk)
     return out
 
