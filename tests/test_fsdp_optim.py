@@ -371,39 +371,43 @@ def _count_collectives(fn: Any) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
-def _collectives(rank: int, world_size: int, use_orig_params: bool) -> list[dict[str, int]]:
+def _collectives(rank: int, world_size: int) -> dict[bool, list[dict[str, int]]]:
     cm = _quiet()
     try:
-        model, optim = _setup(rank, use_orig_params, "adam")
-        out = []
-        _set_type(model, False, rank0_only=True)
-        full: dict[str, Any] = {}
+        result = {}
+        for use_orig_params in (False, True):
+            model, optim = _setup(rank, use_orig_params, "adam")
+            out = []
+            _set_type(model, False, rank0_only=True)
+            full: dict[str, Any] = {}
 
-        def save() -> None:
-            full.update(ssf.optim_state_dict(model, optim))
+            def save() -> None:
+                full.update(ssf.optim_state_dict(model, optim))
 
-        out.append(_count_collectives(save))
-        out.append(_count_collectives(lambda: ssf.optim_state_dict_to_load(model, optim, full)))
-        _set_type(model, False, rank0_only=False)
-        out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
-        _set_type(model, True)
-        out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
-        return out
+            out.append(_count_collectives(save))
+            out.append(_count_collectives(lambda: ssf.optim_state_dict_to_load(model, optim, full)))
+            _set_type(model, False, rank0_only=False)
+            out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
+            _set_type(model, True)
+            out.append(_count_collectives(lambda: ssf.optim_state_dict(model, optim)))
+            result[use_orig_params] = out
+        return result
     finally:
         cm.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_one_collective_per_unit_and_state(run_distributed, use_orig_params: bool) -> None:
+def test_one_collective_per_unit_and_state(run_distributed) -> None:
     # Units with state: block1, block2 and the root (the frozen layer has
     # none); Adam's tensor states: exp_avg and exp_avg_sq -> 3 * 2.
-    per_rank = run_distributed(_collectives, 3, use_orig_params)
-    for rank, (r0_save, r0_load, full_save, sharded_save) in enumerate(per_rank):
-        assert r0_save == {"gather": 6}, (rank, r0_save)  # never all-gathered: no full copy off rank 0
-        assert r0_load == {"scatter": 6}, (rank, r0_load)  # no full tensor broadcast
-        assert full_save == {"all_gather_into_tensor": 6}, (rank, full_save)
-        # Each rank receives only its dim-0 chunks, never the whole unit.
-        assert sharded_save == {"all_to_all_single": 6}, (rank, sharded_save)
+    per_rank = run_distributed(_collectives, 3)
+    for rank, by_flag in enumerate(per_rank):
+        for use_orig_params, (r0_save, r0_load, full_save, sharded_save) in by_flag.items():
+            where = (rank, use_orig_params)
+            assert r0_save == {"gather": 6}, (where, r0_save)  # no full copy off rank 0
+            assert r0_load == {"scatter": 6}, (where, r0_load)  # no full tensor broadcast
+            assert full_save == {"all_gather_into_tensor": 6}, (where, full_save)
+            # Each rank receives only its dim-0 chunks, never the whole unit.
+            assert sharded_save == {"all_to_all_single": 6}, (where, sharded_save)
 
 
 # ---------------------------------------------------------------------------
@@ -496,16 +500,11 @@ def test_errors_match_torch(run_distributed) -> None:
             assert ours_flat.startswith(theirs_head), f"{where}: {our_msg!r} vs {their_msg!r}"
 
 
-def _not_fsdp(rank: int, world_size: int) -> str:
+def test_plain_model_is_refused() -> None:
+    # Refused before any communication: no process group needed.
     model = nn.Linear(3, 3)
     optim = torch.optim.Adam(model.parameters())
-    try:
+    with pytest.raises(ValueError, match="Linear holds no FullyShardedDataParallel module"):
         ssf.full_optim_state_dict(model, optim)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_plain_model_is_refused(run_distributed) -> None:
-    (msg,) = run_distributed(_not_fsdp, 1)
-    assert "holds no FullyShardedDataParallel module" in msg and "Linear" in msg
+    with pytest.raises(ValueError, match="Linear holds no FullyShardedDataParallel module"):
+        ssf.shard_full_optim_state_dict({"state": {}, "param_groups": []}, model, optim=optim)
