@@ -508,3 +508,83 @@ def test_plain_model_is_refused() -> None:
         ssf.full_optim_state_dict(model, optim)
     with pytest.raises(ValueError, match="Linear holds no FullyShardedDataParallel module"):
         ssf.shard_full_optim_state_dict({"state": {}, "param_groups": []}, model, optim=optim)
+
+
+# ---------------------------------------------------------------------------
+# _flatops, the seam to the C layout, against torch's FlatParamHandle
+# ---------------------------------------------------------------------------
+
+
+def _flatops_vs_torch(rank: int, world_size: int) -> int:
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+    from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+    from shardstate.fsdp import _flatops
+
+    cm = _quiet()
+    checks = 0
+    try:
+        for use_orig_params in (False, True):
+            model = _wrap(use_orig_params)
+            _lazy_init(model, model)
+            for handle in _get_fsdp_handles(model):
+                fp = handle.flat_param
+                layout = _flatops.unit_layout(handle, world_size, rank, world_size > 1)
+                g = torch.Generator().manual_seed(7)
+                pieces = [torch.randn(s, generator=g) for s in fp._shapes]
+                # unflatten == torch's views of a full flat buffer
+                full = torch.randn(layout.padded_numel, generator=g)
+                ours = _flatops.unflatten(layout, full[: layout.unpadded_numel])
+                theirs = (
+                    handle._get_unflat_views_aligned(full[: layout.unpadded_numel])
+                    if use_orig_params
+                    else list(handle._get_unflat_views_unaligned(full[: layout.unpadded_numel]))
+                )
+                for a, b in zip(ours, theirs, strict=True):
+                    assert_same(a, b, "unflatten")
+                    assert a.data_ptr() == b.data_ptr(), "unflatten must not copy"
+                # flatten_shard_into == torch's flatten_tensors + _get_shard (the
+                # FlatParameter path; torch fills alignment padding with 42, we with 0)
+                out = torch.empty(layout.shard_numel)
+                _flatops.flatten_shard_into(layout, pieces, rank, out)
+                flat = handle.flatten_tensors(pieces, handle._aligned_numel)
+                if not use_orig_params:
+                    ref = FlatParamHandle._get_shard(flat, rank, world_size)[0] if world_size > 1 else flat
+                    assert_same(out, ref, "flatten_shard_into")
+                # slice_local and pack_local_into == torch's per-parameter shard slices
+                local = []
+                for i, info in enumerate(fp._shard_param_infos):
+                    s = _flatops.slice_local(layout, i, pieces[i], full=True)
+                    if not info.in_shard:
+                        assert s is None
+                        local.append(None)
+                        continue
+                    ref = pieces[i].flatten()[info.intra_param_start_idx : info.intra_param_end_idx + 1]
+                    assert_same(s, ref, "slice_local(full)")
+                    assert_same(_flatops.slice_local(layout, i, out, full=False), ref, "slice_local(shard)")
+                    local.append(s)
+                packed = torch.empty(layout.shard_numel)
+                _flatops.pack_local_into(layout, local, packed)
+                start = rank * layout.shard_numel
+                for i, info in enumerate(fp._shard_param_infos):
+                    if info.in_shard:
+                        a = packed[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                        assert_same(a, local[i], "pack_local_into")
+                padding = torch.ones(layout.shard_numel, dtype=torch.bool)
+                for info in fp._shard_param_infos:
+                    if info.in_shard:
+                        padding[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = False
+                assert not packed[padding].any(), "pack_local_into leaves padding at zero"
+                assert start + layout.shard_numel <= layout.padded_numel
+                checks += 1
+        return checks
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_flatops_match_torch_flat_param(run_distributed, world_size: int) -> None:
+    checks = run_distributed(_flatops_vs_torch, world_size)
+    # Units: block1, block2, frozen, root (use_orig_params=False); frozen joins the root with True.
+    assert checks == [7] * world_size, checks
