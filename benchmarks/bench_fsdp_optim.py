@@ -93,11 +93,19 @@ def _set(model, kind: str) -> None:
     )
 
     if kind == "sharded":
-        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
-                                 ShardedStateDictConfig(), ShardedOptimStateDictConfig())
+        FSDP.set_state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(),
+            ShardedOptimStateDictConfig(),
+        )
     else:
-        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
-                                 FullOptimStateDictConfig(rank0_only=kind == "rank0"))
+        FSDP.set_state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(rank0_only=kind == "rank0"),
+        )
 
 
 def _measure(fn):
@@ -172,7 +180,6 @@ def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: b
                 res.setdefault((name, op, "s"), []).append(dt)
                 res.setdefault((name, op, "peak"), []).append(peak)
                 res.setdefault((name, op, "above"), []).append(max(0, peak - nbytes))
-    del full
     dist.barrier()
     return res
 
@@ -187,35 +194,51 @@ def main() -> int:
     # Every tensor buffer mmapped, so a freed one leaves RSS and the next
     # call's peak is its own (glibc otherwise raises the threshold after a free).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    per_rank = run_distributed(_bench, args.world, args.params, args.repeat, args.orig,
-                               timeout=3600)
+    per_rank = run_distributed(
+        _bench, args.world, args.params, args.repeat, args.orig, timeout=3600
+    )
     nparams = per_rank[0]["params"]
-    print(f"FSDP1 optimizer state, Adam, {nparams / 1e6:.1f}M params "
-          f"({nparams * 8 / 2**20:.0f} MiB of state), world {args.world}, "
-          f"use_orig_params={args.orig}, median of {args.repeat}")
-    print(f"{'operation':14s} {'torch s':>8s} {'ours s':>8s} {'speedup':>8s}  "
-          f"{'torch MiB':>9s} {'ours MiB':>8s} {'ratio':>6s}  "
-          f"{'above result MiB: torch':>23s} {'ours':>5s}   per-rank peak MiB (torch | ours)")
+    print(
+        f"FSDP1 optimizer state, Adam, {nparams / 1e6:.1f}M params "
+        f"({nparams * 8 / 2**20:.0f} MiB of state), world {args.world}, "
+        f"use_orig_params={args.orig}, median of {args.repeat}"
+    )
+    print(
+        f"{'operation':14s} {'torch s':>8s} {'ours s':>8s} {'speedup':>8s}  "
+        f"{'torch MiB':>9s} {'ours MiB':>8s} {'ratio':>6s}  "
+        f"{'above result MiB: torch':>23s} {'ours':>5s}   per-rank peak MiB (torch | ours)"
+    )
     ok = True
     names = ("torch", "shardstate")
     for op in OPS:
-        t = {n: statistics.median(max(r[(n, op, "s")][i] for r in per_rank)
-                                  for i in range(args.repeat)) for n in names}
-        m_rank = {n: [statistics.median(r[(n, op, "peak")]) / 2**20 for r in per_rank]
-                  for n in names}
-        above = {n: max(statistics.median(r[(n, op, "above")]) for r in per_rank) / 2**20
-                 for n in names}
+        t = {
+            n: statistics.median(
+                max(r[(n, op, "s")][i] for r in per_rank) for i in range(args.repeat)
+            )
+            for n in names
+        }
+        m_rank = {
+            n: [statistics.median(r[(n, op, "peak")]) / 2**20 for r in per_rank] for n in names
+        }
+        above = {
+            n: max(statistics.median(r[(n, op, "above")]) for r in per_rank) / 2**20 for n in names
+        }
         m = {n: max(v) for n, v in m_rank.items()}
         speed = t["torch"] / t["shardstate"]
         mem = m["shardstate"] / m["torch"] if m["torch"] else float("nan")
         ok &= speed >= 2 and mem <= 0.6
-        print(f"{op:14s} {t['torch']:8.3f} {t['shardstate']:8.3f} {speed:7.2f}x  "
-              f"{m['torch']:9.1f} {m['shardstate']:8.1f} {mem:5.2f}x  "
-              f"{above['torch']:23.1f} {above['shardstate']:5.1f}   "
-              f"{' '.join(f'{x:.0f}' for x in m_rank['torch'])} | "
-              f"{' '.join(f'{x:.0f}' for x in m_rank['shardstate'])}")
-    print("targets: speedup >= 2x and peak ratio <= 0.6x on each:", "met" if ok else "NOT met",
-          "(peak includes the result, which both must hold)")
+        print(
+            f"{op:14s} {t['torch']:8.3f} {t['shardstate']:8.3f} {speed:7.2f}x  "
+            f"{m['torch']:9.1f} {m['shardstate']:8.1f} {mem:5.2f}x  "
+            f"{above['torch']:23.1f} {above['shardstate']:5.1f}   "
+            f"{' '.join(f'{x:.0f}' for x in m_rank['torch'])} | "
+            f"{' '.join(f'{x:.0f}' for x in m_rank['shardstate'])}"
+        )
+    print(
+        "targets: speedup >= 2x and peak ratio <= 0.6x on each:",
+        "met" if ok else "NOT met",
+        "(peak includes the result, which both must hold)",
+    )
     return 0
 
 

@@ -116,15 +116,21 @@ def _setup(rank: int, use_orig_params: bool, kind: str) -> tuple[nn.Module, torc
     return model, optim
 
 
-def _set_type(model: nn.Module, sharded: bool, rank0_only: bool = False, offload: bool = True) -> None:
+def _set_type(
+    model: nn.Module, sharded: bool, rank0_only: bool = False, offload: bool = True
+) -> None:
     if sharded:
         FSDP.set_state_dict_type(
-            model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(),
             ShardedOptimStateDictConfig(offload_to_cpu=offload),
         )
     else:
         FSDP.set_state_dict_type(
-            model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
             FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
         )
 
@@ -136,7 +142,9 @@ def _set_type(model: nn.Module, sharded: bool, rank0_only: bool = False, offload
 
 def assert_same(ours: Any, theirs: Any, path: str = "osd") -> None:
     """Equal structure, key order, types, dtypes and bits."""
-    assert type(ours) is type(theirs), f"{path}: type {type(ours).__name__} != {type(theirs).__name__}"
+    assert type(ours) is type(theirs), (
+        f"{path}: type {type(ours).__name__} != {type(theirs).__name__}"
+    )
     if isinstance(theirs, ShardedTensor):
         assert ours.metadata().size == theirs.metadata().size, f"{path}: global size"
         assert [(m.shard_offsets, m.shard_sizes) for m in ours.metadata().shards_metadata] == [
@@ -149,7 +157,9 @@ def assert_same(ours: Any, theirs: Any, path: str = "osd") -> None:
             assert_same(sa.tensor, sb.tensor, f"{path}.shard{i}")
     elif isinstance(theirs, torch.Tensor):
         assert ours.dtype == theirs.dtype, f"{path}: dtype {ours.dtype} != {theirs.dtype}"
-        assert ours.shape == theirs.shape, f"{path}: shape {tuple(ours.shape)} != {tuple(theirs.shape)}"
+        assert ours.shape == theirs.shape, (
+            f"{path}: shape {tuple(ours.shape)} != {tuple(theirs.shape)}"
+        )
         assert ours.device == theirs.device, f"{path}: device {ours.device} != {theirs.device}"
         assert torch.equal(ours, theirs), f"{path}: values differ\n{ours}\n{theirs}"
     elif isinstance(theirs, dict):
@@ -166,7 +176,9 @@ def assert_same(ours: Any, theirs: Any, path: str = "osd") -> None:
 
 def _same_set(ours: dict[Any, Any], theirs: dict[Any, Any], path: str) -> None:
     """As assert_same for a state dict whose key order torch leaves to a set's hash order."""
-    assert set(ours) == set(theirs), f"{path}: keys {sorted(map(str, ours))} != {sorted(map(str, theirs))}"
+    assert set(ours) == set(theirs), (
+        f"{path}: keys {sorted(map(str, ours))} != {sorted(map(str, theirs))}"
+    )
     for k in theirs:
         a, b = ours[k], theirs[k]
         if isinstance(b, dict):
@@ -219,10 +231,10 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
     # --- optim_state_dict, every type and config -------------------------
     settings = [
         (False, False, False),  # full, all ranks, no offload
-        (False, False, True),   # full, all ranks, offload (torch's default)
-        (False, True, True),    # full, rank 0 only
+        (False, False, True),  # full, all ranks, offload (torch's default)
+        (False, True, True),  # full, rank 0 only
         (False, True, False),
-        (True, False, True),    # sharded
+        (True, False, True),  # sharded
         (True, False, False),
     ]
     saved: dict[tuple[bool, bool, bool], tuple[dict, dict]] = {}
@@ -231,7 +243,9 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         theirs = FSDP.optim_state_dict(model, optim)
         ours = ssf.optim_state_dict(model, optim)
         where = f"optim_state_dict(sharded={sharded}, rank0_only={rank0_only}, offload={offload})"
-        torch_aliased = _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+        torch_aliased = (
+            _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+        )
         if torch_aliased:
             # Collective: every rank asks torch for the right numbers.
             _set_type(model, False, rank0_only, False)
@@ -239,7 +253,9 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         if rank0_only and rank != 0:
             assert ours == {} and theirs == {}, where
         elif torch_aliased:
-            assert _aliased(theirs), f"{where}: torch's result is no longer aliased; compare directly"
+            assert _aliased(theirs), (
+                f"{where}: torch's result is no longer aliased; compare directly"
+            )
             assert_same(ours, right, where)
             assert not _aliased(ours), where
         else:
@@ -253,7 +269,10 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
     # --- optim_state_dict_to_load: ours and torch's, from both saves --------
     for (sharded, rank0_only, offload), (ours_sd, theirs_sd) in saved.items():
         _set_type(model, sharded, rank0_only, offload)
-        where = f"optim_state_dict_to_load(sharded={sharded}, rank0_only={rank0_only}, offload={offload})"
+        where = (
+            f"optim_state_dict_to_load(sharded={sharded}, rank0_only={rank0_only}, "
+            f"offload={offload})"
+        )
         theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(theirs_sd))
         for src_name, src in (("our save", ours_sd), ("torch's save", theirs_sd)):
             aliased = _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
@@ -292,12 +311,18 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         "shard_full_optim_state_dict",
     )
     _same_loadable(
-        ssf.scatter_full_optim_state_dict(copy.copy(full) if rank == 0 else None, model, optim=optim),
-        FSDP.scatter_full_optim_state_dict(copy.copy(full) if rank == 0 else None, model, optim=optim),
+        ssf.scatter_full_optim_state_dict(
+            copy.copy(full) if rank == 0 else None, model, optim=optim
+        ),
+        FSDP.scatter_full_optim_state_dict(
+            copy.copy(full) if rank == 0 else None, model, optim=optim
+        ),
         "scatter_full_optim_state_dict",
     )
     sharded_ours = ssf.sharded_optim_state_dict(model, optim)
-    assert_same(sharded_ours, FSDP.sharded_optim_state_dict(model, optim), "sharded_optim_state_dict")
+    assert_same(
+        sharded_ours, FSDP.sharded_optim_state_dict(model, optim), "sharded_optim_state_dict"
+    )
     _same_loadable(
         ssf.flatten_sharded_optim_state_dict(sharded_ours, model, optim),
         FSDP.flatten_sharded_optim_state_dict(sharded_ours, model, optim),
@@ -313,8 +338,12 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         ours = ssf.rekey_optim_state_dict(copy.copy(src), key_type, plain, optim=plain_optim)
         theirs = FSDP.rekey_optim_state_dict(copy.copy(src), key_type, plain, optim=plain_optim)
         assert_same(ours, theirs, f"rekey_optim_state_dict({key_type})")
-        back_ours = ssf.rekey_optim_state_dict(ours, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
-        back_theirs = FSDP.rekey_optim_state_dict(theirs, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+        back_ours = ssf.rekey_optim_state_dict(
+            ours, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim
+        )
+        back_theirs = FSDP.rekey_optim_state_dict(
+            theirs, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim
+        )
         assert_same(back_ours, back_theirs, "rekey_optim_state_dict(PARAM_NAME)")
         checks += 2
     return checks
@@ -347,7 +376,12 @@ def test_matches_torch(run_distributed, world_size: int) -> None:
 # ---------------------------------------------------------------------------
 
 _COUNTED = (
-    "gather", "all_gather_into_tensor", "all_gather", "scatter", "broadcast", "all_to_all_single",
+    "gather",
+    "all_gather_into_tensor",
+    "all_gather",
+    "scatter",
+    "broadcast",
+    "all_to_all_single",
 )
 
 
@@ -359,6 +393,7 @@ def _count_collectives(fn: Any) -> dict[str, int]:
         def call(*args: Any, **kwargs: Any) -> Any:
             counts[name] += 1
             return saved[name](*args, **kwargs)
+
         return call
 
     for name in _COUNTED:
@@ -438,8 +473,14 @@ def _corrupt(osd: dict[str, Any], how: str) -> dict[str, Any]:
 
 
 _CORRUPTIONS = (
-    "step_differs", "step_dtype", "shape", "dtype", "names_differ", "param_missing",
-    "types_differ", "no_state_key",
+    "step_differs",
+    "step_dtype",
+    "shape",
+    "dtype",
+    "names_differ",
+    "param_missing",
+    "types_differ",
+    "no_state_key",
 )
 
 
@@ -464,12 +505,20 @@ def _errors(rank: int, world_size: int) -> list[tuple[str, str, tuple[str, str],
                 if api == "scatter" and how == "no_state_key":
                     continue  # rank 0 would fail inside torch's own skeleton broadcast
                 if api == "shard_full":
-                    ours = _outcome(lambda: ssf.shard_full_optim_state_dict(bad, model, optim=optim))
-                    theirs = _outcome(lambda: FSDP.shard_full_optim_state_dict(bad, model, optim=optim))
+                    ours = _outcome(
+                        lambda: ssf.shard_full_optim_state_dict(bad, model, optim=optim)
+                    )
+                    theirs = _outcome(
+                        lambda: FSDP.shard_full_optim_state_dict(bad, model, optim=optim)
+                    )
                 else:
                     src = bad if rank == 0 else None
-                    ours = _outcome(lambda: ssf.scatter_full_optim_state_dict(src, model, optim=optim))
-                    theirs = _outcome(lambda: FSDP.scatter_full_optim_state_dict(src, model, optim=optim))
+                    ours = _outcome(
+                        lambda: ssf.scatter_full_optim_state_dict(src, model, optim=optim)
+                    )
+                    theirs = _outcome(
+                        lambda: FSDP.scatter_full_optim_state_dict(src, model, optim=optim)
+                    )
                 out.append((how, api, ours, theirs))
         return out
     finally:
@@ -491,7 +540,9 @@ def test_errors_match_torch(run_distributed) -> None:
                 assert their_type == "KeyError", (their_type, their_msg)
                 assert (our_type, our_msg) == by_case[("param_missing", "shard_full")], where
                 continue
-            assert our_type == their_type, f"{where}: {our_type}({our_msg}) vs {their_type}({their_msg})"
+            assert our_type == their_type, (
+                f"{where}: {our_type}({our_msg}) vs {their_type}({their_msg})"
+            )
             # Ours may say more (which state of which parameter), never less;
             # spacing aside (torch's "state"to has lost a space).
             # Values are printed differently (torch prints whole tensors, we print shapes).
@@ -550,7 +601,11 @@ def _flatops_vs_torch(rank: int, world_size: int) -> int:
                 _flatops.flatten_shard_into(layout, pieces, rank, out)
                 flat = handle.flatten_tensors(pieces, handle._aligned_numel)
                 if not use_orig_params:
-                    ref = FlatParamHandle._get_shard(flat, rank, world_size)[0] if world_size > 1 else flat
+                    ref = (
+                        FlatParamHandle._get_shard(flat, rank, world_size)[0]
+                        if world_size > 1
+                        else flat
+                    )
                     assert_same(out, ref, "flatten_shard_into")
                 # slice_local and pack_local_into == torch's per-parameter shard slices
                 local = []
@@ -560,21 +615,29 @@ def _flatops_vs_torch(rank: int, world_size: int) -> int:
                         assert s is None
                         local.append(None)
                         continue
-                    ref = pieces[i].flatten()[info.intra_param_start_idx : info.intra_param_end_idx + 1]
+                    ref = pieces[i].flatten()[
+                        info.intra_param_start_idx : info.intra_param_end_idx + 1
+                    ]
                     assert_same(s, ref, "slice_local(full)")
-                    assert_same(_flatops.slice_local(layout, i, out, full=False), ref, "slice_local(shard)")
+                    assert_same(
+                        _flatops.slice_local(layout, i, out, full=False), ref, "slice_local(shard)"
+                    )
                     local.append(s)
                 packed = torch.empty(layout.shard_numel)
                 _flatops.pack_local_into(layout, local, packed)
                 start = rank * layout.shard_numel
                 for i, info in enumerate(fp._shard_param_infos):
                     if info.in_shard:
-                        a = packed[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                        a = packed[
+                            info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+                        ]
                         assert_same(a, local[i], "pack_local_into")
                 padding = torch.ones(layout.shard_numel, dtype=torch.bool)
                 for info in fp._shard_param_infos:
                     if info.in_shard:
-                        padding[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = False
+                        padding[
+                            info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+                        ] = False
                 assert not packed[padding].any(), "pack_local_into leaves padding at zero"
                 assert start + layout.shard_numel <= layout.padded_numel
                 checks += 1

@@ -23,7 +23,8 @@ communicates; nothing here keeps a reference to the tensors it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -195,7 +196,9 @@ def pack_local_into(
         out[off : off + info.numel_in_shard].copy_(piece.reshape(-1))
 
 
-def slice_local(layout: UnitLayout, i: int, source: torch.Tensor, *, full: bool) -> torch.Tensor | None:
+def slice_local(
+    layout: UnitLayout, i: int, source: torch.Tensor, *, full: bool
+) -> torch.Tensor | None:
     """Parameter ``i``'s part of this rank's shard, as a new 1-D tensor; None if outside it.
 
     ``source`` is the parameter's whole state (``full=True``) or this rank's
@@ -293,7 +296,9 @@ def dim0_plan(layout: UnitLayout) -> Dim0Plan | None:
     )
 
 
-def pack_segments(src: torch.Tensor, segments: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
+def pack_segments(
+    src: torch.Tensor, segments: Sequence[tuple[int, int]], out: torch.Tensor
+) -> None:
     """``out`` = the concatenation of ``src[off:off+n]`` for each segment."""
     pos = 0
     for off, n in segments:

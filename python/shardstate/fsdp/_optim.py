@@ -182,7 +182,7 @@ def _dim0_chunks(
 
 
 def _sharded_tensor(fsdp_state: Any, chunk: torch.Tensor, size: torch.Size) -> ShardedTensor:
-    """torch's ``_create_chunk_sharded_tensor`` for a tensor of ``size`` of which we hold only our chunk."""
+    """torch's ``_create_chunk_sharded_tensor`` for a ``size`` tensor of which we hold our chunk."""
     ws, rank, pg = fsdp_state.world_size, fsdp_state.rank, fsdp_state.process_group
     chunks = torch.empty(size, device="meta").chunk(ws, dim=0)
     local_shards = []
@@ -202,7 +202,8 @@ def _sharded_tensor(fsdp_state: Any, chunk: torch.Tensor, size: torch.Size) -> S
     ]
     metadata = ShardedTensorMetadata(
         shards_metadata=[
-            ShardMetadata(off, sz, pl) for off, sz, pl in zip(chunk_offsets, chunk_sizes, placements)
+            ShardMetadata(off, sz, pl)
+            for off, sz, pl in zip(chunk_offsets, chunk_sizes, placements)
         ],
         size=size,
         tensor_properties=TensorProperties(
@@ -365,7 +366,7 @@ def _gather_orig_unit(
     cpu_offload: bool,
     to_rank0: bool,
 ) -> dict[str, Any]:
-    """One unit's per-parameter local pieces (``use_orig_params=True``) -> full per-parameter state."""
+    """One unit's local per-parameter pieces (``use_orig_params=True``) -> full state."""
     fsdp_state = info.state
     if not _is_sharded(fsdp_state):
         return input_states if to_save else {}
@@ -493,13 +494,23 @@ def _optim_state_dict(
     )
     # Gather to rank 0 alone when only rank 0 keeps the result and it is rank 0
     # of the FSDP groups too (the usual case); otherwise gather everywhere.
-    to_rank0 = rank0_only and not shard_state and all(
-        (info.state.rank == 0) == (rank == 0) for info in fqn_to_info.values()
+    to_rank0 = (
+        rank0_only
+        and not shard_state
+        and all((info.state.rank == 0) == (rank == 0) for info in fqn_to_info.values())
     )
-    convert = _convert_state_with_orig_params if use_orig_params else _convert_state_with_flat_params
+    convert = (
+        _convert_state_with_orig_params if use_orig_params else _convert_state_with_flat_params
+    )
     fsdp_osd_state = convert(
-        all_keys, key_to_param_key, fqn_to_info, osd["state"], to_save, shard_state,
-        cpu_offload, to_rank0,
+        all_keys,
+        key_to_param_key,
+        fqn_to_info,
+        osd["state"],
+        to_save,
+        shard_state,
+        cpu_offload,
+        to_rank0,
     )
     if not to_save:
         return {}
@@ -592,7 +603,7 @@ def _flatten_flat_unit(
     names: list[str],
     rank0_only: bool,
 ) -> dict[str, Any]:
-    """Per-parameter state of one FlatParameter (``use_orig_params=False``) -> its local flat state."""
+    """One FlatParameter's per-parameter state (``use_orig_params=False``) -> its local shard."""
     fsdp_state = info.state
     layout = _layout(info)
     if len(names) != layout.num_params:
@@ -600,7 +611,9 @@ def _flatten_flat_unit(
     if not any(n in unflat_state for n in names):
         return {}
     states = [
-        _gather_state_dict(unflat_state[n], pg=fsdp_state.process_group, device=fsdp_state.compute_device)
+        _gather_state_dict(
+            unflat_state[n], pg=fsdp_state.process_group, device=fsdp_state.compute_device
+        )
         if n in unflat_state and not rank0_only
         else unflat_state.get(n)
         for n in names
@@ -612,7 +625,9 @@ def _flatten_flat_unit(
         if state_names is None:
             state_names = set(s)
         elif state_names != set(s):
-            raise ValueError(f"Differing optimizer state names for the unflattened parameters: {names}")
+            raise ValueError(
+                f"Differing optimizer state names for the unflattened parameters: {names}"
+            )
     assert state_names is not None
     receiving = rank0_only and fsdp_state.rank != 0
     cpu = torch.device("cpu")
@@ -638,7 +653,9 @@ def _flatten_flat_unit(
             dtype = _check_tensor_states(state_name, values, names, layout.shapes)
             if rank0_only:
                 pieces = None if receiving else values
-                shard = _scatter_shard(layout, pieces, dtype, fsdp_state.compute_device, fsdp_state.process_group)
+                shard = _scatter_shard(
+                    layout, pieces, dtype, fsdp_state.compute_device, fsdp_state.process_group
+                )
                 flat[state_name] = shard.to(cpu)
             else:
                 shard = torch.empty(layout.shard_numel, dtype=dtype, device=cpu)
@@ -658,7 +675,7 @@ def _shard_orig_unit(
     unflat_state: dict[str, dict[str, Any]],
     rank0_only: bool,
 ) -> dict[str, dict[str, Any]]:
-    """Full per-parameter state of some of one unit's parameters (``use_orig_params=True``) -> this rank's pieces.
+    """Full state of some of one unit's parameters (``use_orig_params=True``) -> our pieces.
 
     Without ``rank0_only`` every rank holds the full state and slices its own
     part out, no communication. With it, rank 0 scatters one padded flat
@@ -673,7 +690,9 @@ def _shard_orig_unit(
             if not state:
                 out[fqn] = {}
                 continue
-            state = _gather_state_dict(state, pg=fsdp_state.process_group, device=fsdp_state.compute_device)
+            state = _gather_state_dict(
+                state, pg=fsdp_state.process_group, device=fsdp_state.compute_device
+            )
             idx = info.param_indices[fqn]
             if layout.sharded and not layout.shard_infos[idx].in_shard:
                 out[fqn] = {}
@@ -687,8 +706,14 @@ def _shard_orig_unit(
         return out
     if not layout.sharded:
         for fqn in fqns:
-            out[fqn] = {n: _broadcast_state(fsdp_state, v, group=fsdp_state.process_group)
-                        for n, v in unflat_state[fqn].items()} if unflat_state[fqn] else {}
+            out[fqn] = (
+                {
+                    n: _broadcast_state(fsdp_state, v, group=fsdp_state.process_group)
+                    for n, v in unflat_state[fqn].items()
+                }
+                if unflat_state[fqn]
+                else {}
+            )
         return out
     # Group the unit's positive-dim states by (name, dtype): one scatter each.
     groups: dict[tuple[str, torch.dtype], dict[int, Any]] = {}
@@ -696,7 +721,10 @@ def _shard_orig_unit(
         for name, value in unflat_state[fqn].items():
             if _is_pos_dim(value):
                 idx = info.param_indices[fqn]
-                if value.shape != layout.shapes[idx] and torch.Size(value.shape).numel() != layout.numels[idx]:
+                if (
+                    value.shape != layout.shapes[idx]
+                    and torch.Size(value.shape).numel() != layout.numels[idx]
+                ):
                     raise ValueError(
                         f"optimizer state {name!r} of {fqn!r} has shape {tuple(value.shape)}, "
                         f"the parameter {tuple(layout.shapes[idx])}"
@@ -734,7 +762,9 @@ def _flatten_optim_state_dict(
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     if "state" not in osd and not rank0_only:
-        raise ValueError('`optim_state_dict` must have the keys "state" to be a valid optimizer state dict')
+        raise ValueError(
+            '`optim_state_dict` must have the keys "state" to be a valid optimizer state dict'
+        )
     param_to_fqns = _get_param_to_fqns(model)
     fqn_to_info = _get_fqn_to_fsdp_param_info(model)
     if not fqn_to_info:
@@ -772,18 +802,24 @@ def _flatten_optim_state_dict(
             if use_orig_params:
                 flat_state = orig_done[fqn]
             else:
-                flat_state = _flatten_flat_unit(fqn_to_info[fqn], unflat_state, list(fqns), rank0_only)
+                flat_state = _flatten_flat_unit(
+                    fqn_to_info[fqn], unflat_state, list(fqns), rank0_only
+                )
             if flat_state:
                 flat_osd_state[key] = flat_state
             elif use_orig_params:
                 if len(fqns) != 1:
-                    raise AssertionError(f"use_orig_params is True but there are multiple FQNs, {fqns}.")
+                    raise AssertionError(
+                        f"use_orig_params is True but there are multiple FQNs, {fqns}."
+                    )
                 if optim is not None:  # NamedOptimizer / KeyedOptimizer
                     state = optim.state.get(param, None)  # type: ignore[call-overload]
                     if state is not None:
                         flat_osd_state[key] = copy.deepcopy(state)
                     else:
-                        warnings.warn(f"optim_state[{key}] is not on rank{fsdp_state.rank}.", stacklevel=4)
+                        warnings.warn(
+                            f"optim_state[{key}] is not on rank{fsdp_state.rank}.", stacklevel=4
+                        )
             else:
                 raise RuntimeError(
                     f"The state of {key} is empty. This should happen when use_orig_params=True."
@@ -855,8 +891,16 @@ def _optim_state_dict_impl(
                 f"got optim_input={optim_input}, rank0_only={rank0_only}"
             )
     return _optim_state_dict(
-        model, optim, osd, optim_input, rank0_only, not full_state_dict, group,
-        using_optim_input, _use_orig_params(model), cpu_offload,
+        model,
+        optim,
+        osd,
+        optim_input,
+        rank0_only,
+        not full_state_dict,
+        group,
+        using_optim_input,
+        _use_orig_params(model),
+        cpu_offload,
     )
 
 
@@ -888,7 +932,11 @@ def _optim_state_dict_to_load_impl(
             osd, model, use_orig_params, optim if is_named_optimizer else None, rank0_only, group
         )
     return _rekey_sharded_optim_state_dict(
-        sharded, model, cast(torch.optim.Optimizer, optim), optim_input, using_optim_input,
+        sharded,
+        model,
+        cast(torch.optim.Optimizer, optim),
+        optim_input,
+        using_optim_input,
         is_named_optimizer,
     )
 
@@ -909,7 +957,10 @@ def optim_state_dict(
     if optim_state_dict is None:
         optim_state_dict = optim.state_dict()
     return _optim_state_dict_impl(
-        model, optim, optim_state_dict, None,
+        model,
+        optim,
+        optim_state_dict,
+        None,
         rank0_only=getattr(settings.optim_state_dict_config, "rank0_only", False),
         full_state_dict=settings.state_dict_type == StateDictType.FULL_STATE_DICT,
         group=group,
@@ -925,7 +976,7 @@ def optim_state_dict_to_load(
     load_directly: bool = False,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """``FSDP.optim_state_dict_to_load``: a name-keyed state -> what ``optim.load_state_dict`` takes.
+    """``FSDP.optim_state_dict_to_load``: a name-keyed state -> ``optim.load_state_dict``'s input.
 
     Reads full or sharded input per the state-dict type set on ``model``;
     with ``rank0_only`` only rank 0 needs the state (the others may pass
@@ -933,7 +984,10 @@ def optim_state_dict_to_load(
     """
     settings = FSDP.get_state_dict_type(model)
     result = _optim_state_dict_to_load_impl(
-        optim_state_dict, model, None, optim,
+        optim_state_dict,
+        model,
+        None,
+        optim,
         full_state_dict=settings.state_dict_type == StateDictType.FULL_STATE_DICT,
         rank0_only=getattr(settings.optim_state_dict_config, "rank0_only", False),
         is_named_optimizer=is_named_optimizer,
@@ -951,10 +1005,15 @@ def full_optim_state_dict(
     rank0_only: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """``FSDP.full_optim_state_dict``: the full state, on rank 0 only by default (others get ``{}``)."""
+    """``FSDP.full_optim_state_dict``: the full state; by default on rank 0 only (others: {})."""
     return _optim_state_dict_impl(
-        model, optim, optim.state_dict(), optim_input, rank0_only=rank0_only,
-        full_state_dict=True, group=group,
+        model,
+        optim,
+        optim.state_dict(),
+        optim_input,
+        rank0_only=rank0_only,
+        full_state_dict=True,
+        group=group,
     )
 
 
@@ -965,7 +1024,13 @@ def sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """``FSDP.sharded_optim_state_dict``: per-parameter state as dim-0 ShardedTensors."""
     return _optim_state_dict_impl(
-        model, optim, optim.state_dict(), None, rank0_only=False, full_state_dict=False, group=group,
+        model,
+        optim,
+        optim.state_dict(),
+        None,
+        rank0_only=False,
+        full_state_dict=False,
+        group=group,
     )
 
 
@@ -975,9 +1040,13 @@ def shard_full_optim_state_dict(
     optim_input: OptimInput = None,
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """``FSDP.shard_full_optim_state_dict``: a full state (on every rank) -> this rank's flat state."""
+    """``FSDP.shard_full_optim_state_dict``: a full state on every rank -> our flat state."""
     return _optim_state_dict_to_load_impl(
-        full_optim_state_dict, model, optim_input, optim, full_state_dict=True,
+        full_optim_state_dict,
+        model,
+        optim_input,
+        optim,
+        full_state_dict=True,
         is_named_optimizer=False,
     )
 
@@ -989,7 +1058,11 @@ def flatten_sharded_optim_state_dict(
 ) -> dict[str, Any]:
     """``FSDP.flatten_sharded_optim_state_dict``: a sharded state -> this rank's flat state."""
     return _optim_state_dict_to_load_impl(
-        sharded_optim_state_dict, model, None, optim, full_state_dict=False,
+        sharded_optim_state_dict,
+        model,
+        None,
+        optim,
+        full_state_dict=False,
         is_named_optimizer=False,
     )
 
@@ -1003,8 +1076,14 @@ def scatter_full_optim_state_dict(
 ) -> dict[str, Any]:
     """``FSDP.scatter_full_optim_state_dict``: rank 0's full state -> every rank's flat state."""
     return _optim_state_dict_to_load_impl(
-        cast(dict[str, Any], full_optim_state_dict), model, optim_input, optim,
-        full_state_dict=True, rank0_only=True, is_named_optimizer=False, group=group,
+        cast(dict[str, Any], full_optim_state_dict),
+        model,
+        optim_input,
+        optim,
+        full_state_dict=True,
+        rank0_only=True,
+        is_named_optimizer=False,
+        group=group,
     )
 
 
@@ -1020,7 +1099,8 @@ def rekey_optim_state_dict(
     using_optim_input = optim_input is not None or optim is None
     if optim_state_key_type not in (OptimStateKeyType.PARAM_NAME, OptimStateKeyType.PARAM_ID):
         raise AssertionError(
-            f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got {optim_state_key_type}"
+            "Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type}"
         )
     osd = optim_state_dict
     by_name = [type(k) is str for k in osd["state"]]
