@@ -210,6 +210,39 @@ def _raw_bandwidth(d: str, nbytes: int, repeat: int) -> tuple[float, float]:
     return nbytes / statistics.median(w), nbytes / statistics.median(r)
 
 
+def _raw_ranks(rank, world, d, nbytes, repeat):
+    """Each of `world` ranks writes (pwrite loop + fsync) then reads (pread
+    loop) its own nbytes // world bytes at once, no checksum: the least time
+    any implementation needs to move this state on this machine."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from shardstate import _core
+
+    n = nbytes // world
+    path = os.path.join(d, f"shardstate-bench-raw-{rank}.bin")
+    buf = np.frombuffer(np.random.default_rng(rank).bytes(n), dtype=np.uint8).copy()
+    w, r = [], []
+    for _ in range(repeat):
+        if os.path.exists(path):
+            os.unlink(path)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _core._raw_pwrite(path, buf, 32 << 20)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        dist.barrier()
+        w.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _core._raw_pread(path, buf, 32 << 20)
+        dist.barrier()
+        r.append(time.perf_counter() - t0)
+    os.unlink(path)
+    return statistics.median(w), statistics.median(r)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0)
@@ -274,6 +307,16 @@ def main() -> int:
             print(f"  shardstate {k} {rate / 2**30:6.2f} GiB/s = {frac:5.2f} of raw "
                   f"{'pwrite+fsync' if k == 'save' else 'pread'} {raw / 2**30:.2f} GiB/s "
                   f"(target on the work disk >= 0.80) {'ok' if frac >= 0.8 else 'MISS'}")
+        # The ceiling: torch's time over the raw time of 2 ranks moving the
+        # same bytes at once with plain pwrite/pread (no format, no CRC).
+        # No implementation can beat torch by more than this here.
+        raw2_w, raw2_r = run_distributed(_raw_ranks, 2, d, state_bytes, args.repeat,
+                                         timeout=900)[0]
+        for k, raw_t in (("save", raw2_w), ("load", raw2_r)):
+            print(f"  ceiling {k:<5} torch / raw 2-rank {'pwrite+fsync' if k == 'save' else 'pread'}"
+                  f" = {med['torch'][k] / raw_t:5.2f}x (raw {raw_t:.3f} s, "
+                  f"{state_bytes / raw_t / 2**30:.2f} GiB/s); shardstate reaches "
+                  f"{raw_t / med['shardstate'][k]:5.2f} of raw")
         extra = med["shardstate"]["load extra RSS / state"]
         print(f"  shardstate load extra RSS {extra:6.1%} of the state (target <= 10%) "
               f"{'ok' if extra <= 0.10 else 'MISS'}")
