@@ -208,27 +208,30 @@ def _optim_tensors(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return out
 
 
-# The option sets; each is used for get and, as the load options, for set.
-_OPTIONS: list[dict[str, bool]] = [
-    {},
-    {"full_state_dict": True},
-    {"full_state_dict": True, "cpu_offload": True},
-    {"cpu_offload": True},
-    {"flatten_optimizer_state_dict": True},
-    {"flatten_optimizer_state_dict": True, "full_state_dict": True},
-    {"ignore_frozen_params": True},
-    {"full_state_dict": True, "ignore_frozen_params": True, "strict": False},
+# (get options, load options). With cpu_offload a full state dict exists on
+# rank 0 only, and it is loaded as torch users do: broadcast from rank 0.
+_CASES: list[tuple[dict[str, bool], dict[str, bool]]] = [
+    ({}, {}),
+    ({"full_state_dict": True}, {"full_state_dict": True}),
+    ({"full_state_dict": True, "cpu_offload": True},
+     {"full_state_dict": True, "cpu_offload": True, "broadcast_from_rank0": True}),
+    ({"full_state_dict": True}, {"full_state_dict": True, "broadcast_from_rank0": True}),
+    ({"cpu_offload": True}, {"cpu_offload": True}),
+    ({"flatten_optimizer_state_dict": True}, {"flatten_optimizer_state_dict": True}),
+    ({"flatten_optimizer_state_dict": True, "full_state_dict": True},
+     {"flatten_optimizer_state_dict": True, "full_state_dict": True}),
+    ({"ignore_frozen_params": True}, {"strict": False}),
+    ({"full_state_dict": True, "ignore_frozen_params": True},
+     {"full_state_dict": True, "strict": False}),
 ]
 
 
-def _load_options(opts: dict[str, bool]) -> dict[str, bool]:
-    # With cpu_offload a full state dict exists on rank 0 only: load it
-    # as torch users do, by broadcasting from rank 0.
-    if opts.get("full_state_dict") and opts.get("cpu_offload"):
-        return {**opts, "broadcast_from_rank0": True}
-    if opts.get("ignore_frozen_params"):
-        return {**opts, "strict": False}
-    return opts
+def _model_too(kind: str, opts: dict[str, bool]) -> bool:
+    """torch 2.13's FSDP1 FULL_STATE_DICT hook with offload_to_cpu and
+    rank0_only crashes (SIGSEGV) on CPU tensors: there only the optimizer
+    state is compared (it goes through FSDP's optimizer path, not that hook)."""
+    return not (kind.startswith("fsdp1") and opts.get("full_state_dict")
+                and opts.get("cpu_offload"))
 
 
 def _torch_rewrites_betas(kind: str, opts: dict[str, bool]) -> bool:
@@ -243,10 +246,25 @@ def _torch_cannot_load(kind: str, opts: dict[str, bool]) -> bool:
             and bool(opts.get("flatten_optimizer_state_dict")))
 
 
+def _torch_wrong(kind: str, opts: dict[str, bool]) -> bool:
+    """torch 2.13's FSDP1 full optimizer state with offload_to_cpu and
+    rank0_only is wrong on CPU (every ``exp_avg`` differs from the one
+    gathered without offload). Ours equals torch's bitwise there (the FSDP1
+    conversion is torch's until shardstate.fsdp takes over); loads are then
+    compared with what torch loads, not with the source."""
+    return bool(kind.startswith("fsdp1") and opts.get("full_state_dict")
+                and opts.get("cpu_offload"))
+
+
 def _set(load: Any, model: nn.Module, opt: torch.optim.Optimizer, sd: tuple[Any, Any],
-         lopts: dict[str, bool]) -> None:
+         lopts: dict[str, bool], model_too: bool, source: nn.Module) -> None:
     options = load.StateDictOptions(**lopts)
-    if load is tsd and lopts.get("broadcast_from_rank0"):
+    if lopts.get("broadcast_from_rank0") and dist.get_rank() != 0:
+        sd = ({}, {})  # only rank 0 holds the state
+    if not model_too:
+        tsd.set_model_state_dict(model, _copy(tsd.get_model_state_dict(source)))
+        load.set_optimizer_state_dict(model, opt, _copy(sd[1]), options=options)
+    elif load is tsd and lopts.get("broadcast_from_rank0"):
         # torch's set_state_dict skips the model on ranks given {} and hangs.
         tsd.set_model_state_dict(model, _copy(sd[0]), options=options)
         tsd.set_optimizer_state_dict(model, opt, _copy(sd[1]), options=options)
@@ -265,64 +283,73 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
     source, sopt = _build(kind, world, 0, optim)
     for s in range(2):
         _step(source, sopt, s)
-    for i, opts in enumerate(_OPTIONS):
+    for i, (opts, lopts) in enumerate(_CASES):
         if opts.get("ignore_frozen_params") and not _FEATURES[kind][1]:
             continue
-        got_t = tsd.get_state_dict(source, sopt, options=tsd.StateDictOptions(**opts))
-        got_s = ssd.get_state_dict(source, sopt, options=ssd.StateDictOptions(**opts))
-        _same(got_s, got_t, f"{kind} {opts} get_state_dict")
-        _same(ssd.get_model_state_dict(source, options=ssd.StateDictOptions(**opts)),
-              got_t[0], f"{kind} {opts} get_model_state_dict")
-        _same(ssd.get_optimizer_state_dict(source, sopt, options=ssd.StateDictOptions(**opts)),
-              got_t[1], f"{kind} {opts} get_optimizer_state_dict")
+        model_too = _model_too(kind, opts)
+        t_opts, s_opts = tsd.StateDictOptions(**opts), ssd.StateDictOptions(**opts)
+        if model_too:
+            got_t = tsd.get_state_dict(source, sopt, options=t_opts)
+            got_s = ssd.get_state_dict(source, sopt, options=s_opts)
+            _same(got_s, got_t, f"{kind} {opts} get_state_dict")
+            _same(ssd.get_model_state_dict(source, options=s_opts), got_t[0],
+                  f"{kind} {opts} get_model_state_dict")
+        else:
+            got_t = ({}, tsd.get_optimizer_state_dict(source, sopt, options=t_opts))
+            got_s = ({}, None)
+        got_s = (got_s[0], ssd.get_optimizer_state_dict(source, sopt, options=s_opts))
+        _same(got_s[1], got_t[1], f"{kind} {opts} get_optimizer_state_dict")
         if opts.get("full_state_dict") and opts.get("cpu_offload") and rank != 0:
             assert got_s == ({}, {}), "other ranks get {} with cpu_offload"
-        if opts.get("ignore_frozen_params"):
+        elif opts.get("ignore_frozen_params"):
             assert "emb.bias" not in got_s[0] and "emb.weight" in got_s[0]
         done.append(f"get{opts}")
 
-        lopts = _load_options(opts)
         targets = {}
         for who, load, sd in (("ss<-torch", ssd, got_t), ("torch<-ss", tsd, got_s),
                               ("torch<-torch", tsd, got_t), ("ss<-ss", ssd, got_s)):
             if load is tsd and _torch_cannot_load(kind, opts):
                 continue
             model, opt = _build(kind, world, 100 + i, optim)
-            _set(load, model, opt, sd, lopts)
+            _set(load, model, opt, sd, lopts, model_too, source)
             targets[who] = (model, opt)
         if _torch_cannot_load(kind, opts):
             model, opt = _build(kind, world, 100 + i, optim)
-            with pytest.raises(Exception):
-                tsd.set_state_dict(model, opt, model_state_dict=_copy(got_t[0]),
-                                   optim_state_dict=_copy(got_t[1]),
-                                   options=tsd.StateDictOptions(**lopts))
+            with pytest.raises(KeyError):
+                _set(tsd, model, opt, got_t, lopts, model_too, source)
+        # The reference: the source, or where torch's own result is wrong
+        # (see _torch_wrong) what torch loads from it.
+        wrong = _torch_wrong(kind, opts)
+        ref_model, ref_opt = targets["torch<-torch"] if wrong else (source, sopt)
         for who, (model, opt) in targets.items():
             if opts.get("ignore_frozen_params"):
-                # Not loaded: the frozen parameter keeps the source's value by
-                # construction only if we copy it; compare it as loaded.
+                # Not in the state dict, the frozen parameter kept the target's
+                # own value: give it the source's so all else can be compared.
                 with torch.no_grad():
-                    for (n, p), (_, q) in zip(model.named_parameters(),
+                    for (_, p), (_, q) in zip(model.named_parameters(),
                                               source.named_parameters()):
                         if not p.requires_grad:
                             p.copy_(q)
             if not (_torch_rewrites_betas(kind, opts) and who.startswith("torch")):
-                for g, h in zip(opt.param_groups, sopt.param_groups):
+                for g in opt.param_groups:
                     if "betas" in g:
                         assert type(g["betas"]) is tuple, f"{who}: betas {g['betas']!r}"
-            _same(_optim_tensors(opt), _optim_tensors(sopt), f"{kind} {opts} {who} loaded optim")
-            _same(_params(model), _params(source), f"{kind} {opts} {who} loaded params")
-        ref = _params(source), _optim_tensors(sopt)
+            _same(_optim_tensors(opt), _optim_tensors(ref_opt),
+                  f"{kind} {opts} {who} loaded optim")
+            _same(_params(model), _params(ref_model), f"{kind} {opts} {who} loaded params")
+        if not wrong:
+            # The source takes the same step, on a copy of its state.
+            ref_model, ref_opt = _build(kind, world, 100 + i, optim)
+            tsd.set_state_dict(ref_model, ref_opt,
+                               model_state_dict=_copy(tsd.get_model_state_dict(source)),
+                               optim_state_dict=_copy(tsd.get_optimizer_state_dict(source, sopt)))
+            _same(_params(ref_model), _params(source), f"{kind} {opts} source copy")
+            _step(ref_model, ref_opt, 7)
         for who, (model, opt) in targets.items():
             _step(model, opt, 7)
-        # The source itself takes the same step, on a copy of its state.
-        src_model, src_opt = _build(kind, world, 100 + i, optim)
-        tsd.set_state_dict(src_model, src_opt, model_state_dict=_copy(ssd.get_model_state_dict(source)),
-                           optim_state_dict=_copy(ssd.get_optimizer_state_dict(source, sopt)))
-        _same(_params(src_model), ref[0], f"{kind} {opts} source copy")
-        _step(src_model, src_opt, 7)
         for who, (model, opt) in targets.items():
-            _same(_params(model), _params(src_model), f"{kind} {opts} {who} after a step")
-            _same(_optim_tensors(opt), _optim_tensors(src_opt),
+            _same(_params(model), _params(ref_model), f"{kind} {opts} {who} after a step")
+            _same(_optim_tensors(opt), _optim_tensors(ref_opt),
                   f"{kind} {opts} {who} optim after a step")
         done.append(f"set{lopts}")
     return done
@@ -337,7 +364,7 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
 def test_matches_torch(run_distributed, kind: str, world: int, optim: str) -> None:
     results = run_distributed(_check_kind, world, kind, optim)
     assert results[0] == results[-1]
-    assert len(results[0]) >= 2 * (len(_OPTIONS) - 2)
+    assert len(results[0]) >= 2 * (len(_CASES) - 2)
 
 
 # ------------------------------------------------------------------- errors
@@ -381,10 +408,12 @@ def _errors(rank: int, world: int) -> int:
                 raised.append(info.value)
             theirs, ours = raised
             assert type(ours) is type(theirs), (kind, repr(ours), repr(theirs))
-            if type(ours) is not RuntimeError or "size mismatch" not in str(ours):
-                assert str(ours) == str(theirs), (kind, str(ours), str(theirs))
+            # torch prints "rank = dist.get_rank()=0." (an f-string slip); ours "rank = 0.".
+            want = str(theirs).replace("dist.get_rank()=", "")
+            assert str(ours) == want, (kind, str(ours), want)
             checked += 1
-        # strict=False loads the rest and keeps the parameter's current state.
+        # strict=False loads the rest; the parameter is left without state
+        # (optimizer.load_state_dict replaces the whole state), as torch does.
         for mod in (tsd, ssd):
             model, opt = _build(kind, world, 5, "adam")
             mod.set_optimizer_state_dict(model, opt, _copy(osd),
@@ -393,7 +422,7 @@ def _errors(rank: int, world: int) -> int:
             assert torch.equal(_local(fqn_state["head.weight"]["exp_avg"]),
                                _local(ssd.get_optimizer_state_dict(source, sopt)["state"]
                                       ["head.weight"]["exp_avg"]))
-            assert int(fqn_state["head.bias"]["step"]) == 1  # the zero-lr initial step
+            assert "head.bias" not in fqn_state and "head.weight" in fqn_state
     return checked
 
 

@@ -522,14 +522,13 @@ def _only_wrapper_names_dropped(key: str, fqn: str) -> bool:
 # ----------------------------------------------------------------- model set
 
 
-def _shard_like(local: DTensor, full: torch.Tensor, key: str, in_place: bool) -> DTensor:
+def _shard_like(local: DTensor, full: torch.Tensor, in_place: bool) -> torch.Tensor:
     """``local``'s shard of the full tensor: copied into ``local`` itself
-    (``in_place``, unless it lives on the meta device) or a new DTensor."""
-    if tuple(full.shape) != tuple(local.shape):
-        raise RuntimeError(
-            f"size mismatch for {key}: copying a param with shape {tuple(full.shape)} "
-            f"from checkpoint, the shape in current model is {tuple(local.shape)}."
-        )
+    (``in_place``, unless it lives on the meta device) or a new DTensor.
+    A tensor of another shape, or a DTensor, is returned as it is, for
+    ``load_state_dict`` to copy or to report (``size mismatch for ...``)."""
+    if isinstance(full, DTensor) or tuple(full.shape) != tuple(local.shape):
+        return full
     shape, offset = compute_local_shape_and_global_offset(
         full.shape, local.device_mesh, local.placements
     )
@@ -578,18 +577,27 @@ def _broadcast_from_rank0(
                 local[key] = info
             continue
         if rank == 0:
-            buf = full[key].detach().to(device).contiguous()
+            buf = _full_for_broadcast(full[key], key).to(device).contiguous()
         else:
             buf = torch.empty(info.size, dtype=info.dtype, device=device)
         dist.broadcast(buf, src=0)
         mine = local.get(key)
         if mine is None:
             continue
-        mine = _shard_like(mine, buf, key, in_place=True) if isinstance(mine, DTensor) else buf
+        mine = _shard_like(mine, buf, in_place=True) if isinstance(mine, DTensor) else buf
         local[key] = mine.cpu() if cpu_offload else mine
     if strict:
         for key in [k for k in local if k not in header]:
             del local[key]
+
+
+def _full_for_broadcast(value: torch.Tensor, key: str) -> torch.Tensor:
+    if isinstance(value, (DTensor, ShardedTensor)):
+        raise ValueError(
+            f"broadcast_from_rank0 needs full tensors on rank 0, but '{key}' is a "
+            f"{type(value).__name__} (get it with full_state_dict=True)"
+        )
+    return value.detach()
 
 
 def _distribute_full(full: dict[str, Any], local: dict[str, Any], device: torch.device) -> None:
@@ -601,7 +609,7 @@ def _distribute_full(full: dict[str, Any], local: dict[str, Any], device: torch.
             local[key] = value.cpu()
         elif (mine := local.get(key)) is not None:
             if isinstance(mine, DTensor):
-                local[key] = _shard_like(mine, value.detach().to(device), key, in_place=False)
+                local[key] = _shard_like(mine, value.detach().to(device), in_place=False)
             else:
                 local[key] = value.detach().to(device)
 
@@ -730,7 +738,8 @@ def _rekey_by_fqn(
 ) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter index -> keyed by FQN
     (each parameter by its first name in ``model.named_parameters()``)."""
-    index = {p: i for i, p in enumerate(chain.from_iterable(g[_PARAMS] for g in optim.param_groups))}
+    params = chain.from_iterable(g[_PARAMS] for g in optim.param_groups)
+    index = {p: i for i, p in enumerate(params)}
     fqn_of: dict[int, str] = {}
     for name, param in model.named_parameters():
         if param in index:
@@ -961,11 +970,12 @@ def _full_optim_to_local(
             if isinstance(info_, torch.Tensor):  # a scalar, already in the header
                 return info_
             if rank == 0:
-                buf = next(sources).detach().to(device).contiguous()
+                key = ".".join(map(str, path))
+                buf = _full_for_broadcast(next(sources), key).to(device).contiguous()
             else:
                 buf = torch.empty(info_.size, dtype=info_.dtype, device=device)
             dist.broadcast(buf, src=0)
-            return _to_local_part(_at(local, path), buf, path)
+            return _to_local_part(_at(local, path), buf)
 
         full_here = _map_with_path(header, (), receive)
     else:
@@ -973,7 +983,7 @@ def _full_optim_to_local(
         def take(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
             if t.dim() == 0:
                 return t.cpu()
-            return _to_local_part(_at(local, path), t.detach().to(device), path)
+            return _to_local_part(_at(local, path), t.detach().to(device))
 
         full_here = _map_with_path(osd, (), take)
     merged = _merge(local, full_here)
@@ -1020,9 +1030,9 @@ def _at(obj: Any, path: tuple[Any, ...]) -> Any:
     return obj
 
 
-def _to_local_part(mine: Any, full: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+def _to_local_part(mine: Any, full: torch.Tensor) -> torch.Tensor:
     if isinstance(mine, DTensor):
-        return _shard_like(mine, full, ".".join(map(str, path)), in_place=False)
+        return _shard_like(mine, full, in_place=False)
     return full
 
 
