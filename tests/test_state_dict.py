@@ -502,3 +502,75 @@ def test_resume_fsdp2_at_another_world_size(run_distributed, tmp_path) -> None:
     torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(straight[0]),
                                rtol=1e-5, atol=1e-6)
     assert straight[0][0] != straight[0][-1]  # it trains
+
+
+# ---------------------------------------- meta-device init, several optimizers
+
+
+def _meta_and_several(rank: int, world: int) -> int:
+    """An FSDP2 model built on the meta device and filled from rank 0's full
+    state dict by broadcast; a DDP model with two optimizers."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.manual_seed(0)
+    full_src = Net(True, True)
+    _step(full_src, torch.optim.SGD(full_src.parameters(), lr=0.1), 0)  # not the init values
+    full_sd = _copy(full_src.state_dict()) if rank == 0 else {}
+    mesh = init_device_mesh("cpu", (world,))
+    loaded = {}
+    for mod in (tsd, ssd):
+        with torch.device("meta"):
+            net = Net(True, True)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        mod.set_model_state_dict(net, _copy(full_sd), options=mod.StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        assert not any(p.is_meta for p in net.parameters())
+        loaded[mod] = net
+    _same(ssd.get_model_state_dict(loaded[ssd]), tsd.get_model_state_dict(loaded[tsd]),
+          "meta-init FSDP2 loaded")
+    full = ssd.get_model_state_dict(loaded[ssd], options=ssd.StateDictOptions(full_state_dict=True))
+    _same(full, dict(full_src.state_dict()), "meta-init FSDP2, gathered")
+
+    def ddp_two(seed: int) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        torch.manual_seed(seed)
+        model = nn.parallel.DistributedDataParallel(Net(True, False))
+        blocks = list(model.module.blocks.parameters())
+        ids = {id(p) for p in blocks}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        return model, [torch.optim.Adam(blocks, lr=0.01),
+                       torch.optim.SGD(rest, lr=0.02, momentum=0.9)]
+
+    def step(model: nn.Module, opts: list[torch.optim.Optimizer], n: int) -> None:
+        x = torch.randn(6, 7, generator=torch.Generator().manual_seed(n))
+        model(x).square().mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+    source, sopts = ddp_two(0)
+    step(source, sopts, 0)
+    got_t = tsd.get_state_dict(source, sopts)
+    got_s = ssd.get_state_dict(source, sopts)
+    _same(got_s, got_t, "DDP with two optimizers")
+    assert len(got_s[1]["param_groups"]) == 2
+    after = []
+    for load, sd in ((ssd, got_t), (tsd, got_s), (tsd, got_t)):
+        model, opts = ddp_two(9)
+        load.set_state_dict(model, opts, model_state_dict=_copy(sd[0]),
+                            optim_state_dict=_copy(sd[1]))
+        step(model, opts, 1)
+        after.append((_params(model), [_optim_tensors(o) for o in opts]))
+    step(source, sopts, 1)
+    for i, got in enumerate(after):
+        _same(got, (_params(source), [_optim_tensors(o) for o in sopts]), f"two optimizers {i}")
+    return len(after)
+
+
+def test_meta_init_and_several_optimizers(run_distributed) -> None:
+    assert run_distributed(_meta_and_several, 2) == [3, 3]
