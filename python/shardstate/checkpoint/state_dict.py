@@ -624,8 +624,16 @@ def _one_device(tensors: Iterable[Any]) -> tuple[torch.device, bool]:
     if len(devices) > 1:
         raise ValueError("Multiple devices found")
     if not devices:
-        return dist.distributed_c10d._get_pg_default_device(), has_meta
+        return _group_device(), has_meta
     return devices.pop(), has_meta
+
+
+def _group_device() -> torch.device:
+    """Where the default group's collectives run: the current CUDA device for
+    NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _load_model_state_dict(
