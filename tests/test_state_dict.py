@@ -312,6 +312,16 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
             assert got_s == ({}, {}), "other ranks get {} with cpu_offload"
         elif opts.get("ignore_frozen_params"):
             assert "emb.bias" not in got_s[0] and "emb.weight" in got_s[0]
+        if not opts and kind.startswith("fsdp1"):
+            # FSDP1's sharded values are ShardedTensors: gathered as torch does.
+            from torch.distributed._shard.sharded_tensor import ShardedTensor
+            from torch.distributed._state_dict_utils import _all_gather_sharded_tensor
+
+            sharded = [v for v in got_s[0].values() if isinstance(v, ShardedTensor)]
+            assert sharded
+            for v in sharded:
+                _same(ssd._gather_sharded_tensor(v), _all_gather_sharded_tensor(v),
+                      "gathered ShardedTensor")
         done.append(f"get{opts}")
 
         targets = {}
@@ -541,6 +551,23 @@ def _meta_and_several(rank: int, world: int) -> int:
           "meta-init FSDP2 loaded")
     full = ssd.get_model_state_dict(loaded[ssd], options=ssd.StateDictOptions(full_state_dict=True))
     _same(full, dict(full_src.state_dict()), "meta-init FSDP2, gathered")
+
+    # The deprecated forms: a submodule's entries only, and {submodule: its state dict}.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Getting submodules only", FutureWarning)
+        warnings.filterwarnings("ignore", "Passing model_state_dict as a", FutureWarning)
+        net = loaded[ssd]
+        for keep in (True, False):
+            got = [mod.get_model_state_dict(net, submodules={net.blocks}, options=(
+                mod.StateDictOptions(keep_submodule_prefixes=keep))) for mod in (tsd, ssd)]
+            _same(got[1], got[0], f"submodules, keep prefixes {keep}")
+            assert all(k.startswith("blocks.") == keep for k in got[1])
+        results = [mod.set_model_state_dict(
+            loaded[mod], {loaded[mod].blocks: _copy(got[1])},
+            options=mod.StateDictOptions(strict=False)) for mod in (tsd, ssd)]
+        assert results[0] == results[1] and "emb.weight" in results[1].missing_keys, results
 
     def ddp_two(seed: int) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         torch.manual_seed(seed)

@@ -413,7 +413,7 @@ def _gather_sharded_tensor(value: ShardedTensor) -> torch.Tensor:
             )
         mine[: local.numel()] = local
     out = torch.empty(chunk * world, dtype=value.dtype, device=device)
-    dist.all_gather_into_tensor(out, mine)
+    dist.all_gather_single(out, mine)
     return out[:numel].reshape(size)
 
 
