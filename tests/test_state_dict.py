@@ -429,6 +429,20 @@ def _errors(rank: int, world: int) -> int:
             want = str(theirs).replace("dist.get_rank()=", "")
             assert str(ours) == want, (kind, str(ours), want)
             checked += 1
+        if kind == "fsdp2":
+            # Sharded values where broadcast_from_rank0 needs full ones: every
+            # rank raises (torch 2.13 leaves the other ranks in a broadcast).
+            full_opts = ssd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            model, opt = _build(kind, world, 5, "adam")
+            with pytest.raises(ValueError, match=r"rank 0, but 'emb\.weight' is a DTensor"):
+                ssd.set_model_state_dict(model, _copy(msd) if rank == 0 else {},
+                                         options=full_opts)
+            sharded_osd = ssd.get_optimizer_state_dict(source, sopt)
+            bad = r"rank 0, but 'state\.blocks\.0\.lin\.weight\.exp_avg' is a DTensor"
+            with pytest.raises(ValueError, match=bad):
+                ssd.set_optimizer_state_dict(model, opt, _copy(sharded_osd) if rank == 0 else {},
+                                             options=full_opts)
+            checked += 2
         # strict=False loads the rest; the parameter is left without state
         # (optimizer.load_state_dict replaces the whole state), as torch does.
         for mod in (tsd, ssd):
@@ -448,7 +462,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_errors_match_torch(run_distributed) -> None:
-    assert run_distributed(_errors, 2) == [12, 12]
+    assert run_distributed(_errors, 2) == [14, 14]
 
 
 # --------------------------------------------------------------- end to end

@@ -558,18 +558,20 @@ def _broadcast_from_rank0(
     broadcast with the keys, small values and tensor sizes, then one
     broadcast per tensor, each cut to the local shard before the next."""
     rank = dist.get_rank()
-    header: dict[str, Any] = {}
-    if rank == 0:
+
+    def describe() -> dict[str, Any]:
+        header: dict[str, Any] = {}
         for key, value in full.items():
             if not torch.is_tensor(value):
                 header[key] = value
             elif value.dim() == 0:
                 header[key] = value.cpu()
             else:
+                _full_for_broadcast(value, key)
                 header[key] = _TensorInfo(value.size(), value.dtype)
-    box = [header]
-    dist.broadcast_object_list(box, src=0)
-    header = box[0]
+        return header
+
+    header = _header_from_rank0(describe)
 
     for key, info in header.items():
         if not isinstance(info, _TensorInfo):
@@ -589,6 +591,22 @@ def _broadcast_from_rank0(
     if strict:
         for key in [k for k in local if k not in header]:
             del local[key]
+
+
+def _header_from_rank0(describe: Callable[[], Any]) -> Any:
+    """``describe()`` run on rank 0 and sent to every rank; if it raises,
+    every rank raises (none is left waiting in a broadcast)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, describe())]
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            box = [(False, e)]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _full_for_broadcast(value: torch.Tensor, key: str) -> torch.Tensor:
@@ -965,12 +983,13 @@ def _full_optim_to_local(
     if info.broadcast_from_rank0:
         rank = dist.get_rank()
 
-        def header_of(t: torch.Tensor) -> Any:
-            return t.cpu() if t.dim() == 0 else _TensorInfo(t.size(), t.dtype)
+        def header_of(path: tuple[Any, ...], t: torch.Tensor) -> Any:
+            if t.dim() == 0:
+                return t.cpu()
+            _full_for_broadcast(t, ".".join(map(str, path)))
+            return _TensorInfo(t.size(), t.dtype)
 
-        box = [_map_state(osd, header_of) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        header = box[0]
+        header = _header_from_rank0(lambda: _map_with_path(osd, (), header_of))
         if rank == 0:
             sources = iter(list(_tensors(osd, dims=True)))
 
