@@ -48,7 +48,12 @@ accident of its implementation:
   and its broadcasts no longer pair up);
 * a full model state dict is cut into each rank's shards locally, without
   a collective (torch scatters rank 0's copy; the inputs are the same full
-  state dict on every rank by contract).
+  state dict on every rank by contract);
+* a sharded value (DTensor, ShardedTensor) given for a
+  ``broadcast_from_rank0`` load is a ValueError on every rank (torch fails
+  on rank 0 and leaves the others waiting in a broadcast);
+* the empty-model-state-dict error reads ``rank = 0.`` (torch's reads
+  ``rank = dist.get_rank()=0.``).
 
 Importing this module imports torch.
 """
@@ -56,7 +61,6 @@ Importing this module imports torch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
