@@ -578,19 +578,28 @@ def _meta_and_several(rank: int, world: int) -> int:
     _step(full_src, torch.optim.SGD(full_src.parameters(), lr=0.1), 0)  # not the init values
     full_sd = _copy(full_src.state_dict()) if rank == 0 else {}
     mesh = init_device_mesh("cpu", (world,))
-    loaded = {}
-    for mod in (tsd, ssd):
+    loaded: dict[Any, nn.Module] = {}
+    # "small": buckets of at most 100 bytes, so tensors go alone and in
+    # several buckets, not all in one.
+    for mod, bucket in ((tsd, None), (ssd, None), ("small", 100)):
         with torch.device("meta"):
             net = Net(True, True)
         for block in net.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        mod.set_model_state_dict(net, _copy(full_sd), options=mod.StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True))
+        saved = ssd._BUCKET_BYTES
+        ssd._BUCKET_BYTES = bucket or saved
+        try:
+            api = tsd if mod is tsd else ssd
+            api.set_model_state_dict(net, _copy(full_sd), options=api.StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True))
+        finally:
+            ssd._BUCKET_BYTES = saved
         assert not any(p.is_meta for p in net.parameters())
         loaded[mod] = net
-    _same(ssd.get_model_state_dict(loaded[ssd]), tsd.get_model_state_dict(loaded[tsd]),
-          "meta-init FSDP2 loaded")
+    for mod in (ssd, "small"):
+        _same(ssd.get_model_state_dict(loaded[mod]), tsd.get_model_state_dict(loaded[tsd]),
+              f"meta-init FSDP2 loaded ({mod})")
     full = ssd.get_model_state_dict(loaded[ssd], options=ssd.StateDictOptions(full_state_dict=True))
     _same(full, dict(full_src.state_dict()), "meta-init FSDP2, gathered")
 

@@ -22,8 +22,9 @@ What each option does, as in torch:
 * ``flatten_optimizer_state_dict``: the optimizer state dict is one level,
   ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyperparameter>``.
 * ``broadcast_from_rank0`` (needs ``full_state_dict``): on load only rank 0
-  needs the full state dict; its tensors are broadcast one collective per
-  tensor and each rank keeps its own shard.
+  needs the full state dict; its tensors are broadcast (small ones of one
+  dtype together, up to 16 MiB a collective; a bigger one alone) and each
+  rank keeps its own shard.
 * ``strict``: passed to ``load_state_dict``; a parameter that needs
   optimizer state and has none in the checkpoint is an error.
 
@@ -559,8 +560,9 @@ def _broadcast_from_rank0(
     cpu_offload: bool,
 ) -> None:
     """Rank 0's ``full`` into every rank's ``local`` (in place): one object
-    broadcast with the keys, small values and tensor sizes, then one
-    broadcast per tensor, each cut to the local shard before the next."""
+    broadcast with the keys, small values and tensor sizes, then the tensors
+    in buckets (:func:`_broadcast_tensors`), each cut to the local shard as
+    it arrives."""
     rank = dist.get_rank()
 
     def describe() -> dict[str, Any]:
@@ -577,24 +579,76 @@ def _broadcast_from_rank0(
 
     header = _header_from_rank0(describe)
 
+    keys = []
     for key, info in header.items():
-        if not isinstance(info, _TensorInfo):
-            if key in local:
-                local[key] = info
-            continue
-        if rank == 0:
-            buf = _full_for_broadcast(full[key], key).to(device).contiguous()
-        else:
-            buf = torch.empty(info.size, dtype=info.dtype, device=device)
-        dist.broadcast(buf, src=0)
-        mine = local.get(key)
+        if isinstance(info, _TensorInfo):
+            keys.append(key)
+        elif key in local:
+            local[key] = info
+
+    def deliver(i: int, buf: torch.Tensor) -> None:
+        mine = local.get(keys[i])
         if mine is None:
-            continue
+            return
         mine = _shard_like(mine, buf, in_place=True) if isinstance(mine, DTensor) else buf
-        local[key] = mine.cpu() if cpu_offload else mine
+        local[keys[i]] = mine.cpu() if cpu_offload else mine
+
+    sources = (full[k] for k in keys) if rank == 0 else None
+    _broadcast_tensors([header[k] for k in keys], sources, device, deliver)
     if strict:
         for key in [k for k in local if k not in header]:
             del local[key]
+
+
+# Small tensors of one dtype travel together, up to this many bytes a broadcast.
+_BUCKET_BYTES = 16 << 20
+
+
+def _broadcast_tensors(
+    infos: list[_TensorInfo],
+    sources: Iterator[torch.Tensor] | None,
+    device: torch.device,
+    deliver: Callable[[int, torch.Tensor], None],
+) -> None:
+    """Broadcast rank 0's tensors (``sources``, described by ``infos``; None
+    on the other ranks). Runs of one dtype go as one flat buffer of at most
+    _BUCKET_BYTES (a bigger tensor alone, without a copy on rank 0): one
+    collective per bucket. ``deliver(i, tensor)`` gets each tensor as soon
+    as its bucket arrived, so at most one bucket (or one big tensor) of full
+    tensors exists at a time beyond what ``deliver`` keeps."""
+    rank = dist.get_rank()
+    i = 0
+    while i < len(infos):
+        dtype = infos[i].dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        j, nbytes = i, 0
+        while j < len(infos) and infos[j].dtype == dtype:
+            size = infos[j].size.numel() * item
+            if j > i and nbytes + size > _BUCKET_BYTES:
+                break
+            nbytes += size
+            j += 1
+        group = infos[i:j]
+        if rank == 0:
+            assert sources is not None
+            tensors = [_full_for_broadcast(next(sources), f"#{k}").to(device)
+                       for k in range(i, j)]
+        if j - i == 1:
+            buf = (tensors[0].contiguous() if rank == 0
+                   else torch.empty(group[0].size, dtype=dtype, device=device))
+            dist.broadcast(buf, src=0)
+            deliver(i, buf)
+        else:
+            flat = (torch.cat([t.reshape(-1) for t in tensors]) if rank == 0
+                    else torch.empty(nbytes // item, dtype=dtype, device=device))
+            dist.broadcast(flat, src=0)
+            at = 0
+            for k, info in enumerate(group):
+                n = info.size.numel()
+                # A copy: nothing keeps the bucket alive or shares its storage.
+                deliver(i + k, flat[at:at + n].view(info.size).clone())
+                at += n
+        i = j
 
 
 def _header_from_rank0(describe: Callable[[], Any]) -> Any:
@@ -994,19 +1048,27 @@ def _full_optim_to_local(
             return _TensorInfo(t.size(), t.dtype)
 
         header = _header_from_rank0(lambda: _map_with_path(osd, (), header_of))
-        if rank == 0:
-            sources = iter(list(_tensors(osd, dims=True)))
+        paths: list[tuple[Any, ...]] = []
+        infos: list[_TensorInfo] = []
 
-        def receive(path: tuple[Any, ...], info_: Any) -> torch.Tensor:
-            if isinstance(info_, torch.Tensor):  # a scalar, already in the header
-                return info_
-            if rank == 0:
-                key = ".".join(map(str, path))
-                buf = _full_for_broadcast(next(sources), key).to(device).contiguous()
-            else:
-                buf = torch.empty(info_.size, dtype=info_.dtype, device=device)
-            dist.broadcast(buf, src=0)
-            return _to_local_part(_at(local, path), buf)
+        def collect(path: tuple[Any, ...], leaf: Any) -> Any:
+            if isinstance(leaf, _TensorInfo):
+                paths.append(path)
+                infos.append(leaf)
+            return leaf
+
+        _map_with_path(header, (), collect)
+        arrived: dict[tuple[Any, ...], torch.Tensor] = {}
+
+        def deliver(i: int, buf: torch.Tensor) -> None:
+            arrived[paths[i]] = _to_local_part(_at(local, paths[i]), buf)
+
+        sources = _tensors(osd, dims=True) if rank == 0 else None
+        _broadcast_tensors(infos, sources, device, deliver)
+
+        def receive(path: tuple[Any, ...], leaf: Any) -> torch.Tensor:
+            # scalars came in the header; the rest in the buckets
+            return arrived[path] if isinstance(leaf, _TensorInfo) else leaf
 
         full_here = _map_with_path(header, (), receive)
     else:
