@@ -377,7 +377,7 @@ def test_matches_torch(run_distributed, world_size: int) -> None:
 
 _COUNTED = (
     "gather",
-    "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather",
     "scatter",
     "broadcast",
@@ -440,7 +440,7 @@ def test_one_collective_per_unit_and_state(run_distributed) -> None:
             where = (rank, use_orig_params)
             assert r0_save == {"gather": 6}, (where, r0_save)  # no full copy off rank 0
             assert r0_load == {"scatter": 6}, (where, r0_load)  # no full tensor broadcast
-            assert full_save == {"all_gather_into_tensor": 6}, (where, full_save)
+            assert full_save == {"all_gather_single": 6}, (where, full_save)
             # Each rank receives only its dim-0 chunks, never the whole unit.
             assert sharded_save == {"all_to_all_single": 6}, (where, sharded_save)
 

@@ -4,7 +4,7 @@ bounded pool of reusable buffers.
 A training loop saves the same structure again and again. torch's default
 stager copies every tensor into freshly allocated memory each time, so each
 save pays for page faults and zeroing as well as the copy. Here each save
-takes one *arena* (an anonymous mapping, transparent huge pages requested)
+takes one *arena* (an anonymous mapping)
 from a per-process pool, copies every CPU tensor and ndarray into it with
 the C engine (GIL released, large copies split over the I/O threads), and
 gives the arena back when its background save has finished. The next save
@@ -41,12 +41,10 @@ class _Arena:
 
     def __init__(self, nbytes: int) -> None:
         size = max(_HUGE, -(-nbytes // _HUGE) * _HUGE)
+        # (no MADV_HUGEPAGE: with THP defrag on "madvise", the first touch
+        # of a huge-page region compacts memory synchronously, which took
+        # seconds on a busy host; the pool's reuse is what saves the faults)
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # THP unavailable: plain pages work the same
-                pass
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.size = size
 

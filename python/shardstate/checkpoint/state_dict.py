@@ -795,11 +795,13 @@ def _fsdp1_optim_state_dict(
     """FSDP1: the optimizer's own state dict -> FQN-keyed (sharded or full,
     as the state-dict type set on ``model`` says).
 
-    The one place the FSDP1 optimizer-state conversion comes from. For now
-    torch's FSDP.optim_state_dict; the lead routes it to
-    ``shardstate.fsdp.optim_state_dict`` (same signature).
+    The one place the FSDP1 optimizer-state conversion comes from:
+    ``shardstate.fsdp.optim_state_dict`` (torch's FSDP.optim_state_dict's
+    signature and results, one collective per unit and state name).
     """
-    return FSDP.optim_state_dict(model, optim, optim_state_dict, group=group)
+    from shardstate import fsdp
+
+    return fsdp.optim_state_dict(model, optim, optim_state_dict, group=group)
 
 
 def _fsdp1_optim_state_dict_to_load(
@@ -811,10 +813,11 @@ def _fsdp1_optim_state_dict_to_load(
     """FSDP1: an FQN-keyed optimizer state dict -> what ``optim.load_state_dict``
     takes on this rank.
 
-    For now torch's FSDP.optim_state_dict_to_load; the lead routes it to
-    ``shardstate.fsdp.optim_state_dict_to_load`` (same signature).
+    ``shardstate.fsdp.optim_state_dict_to_load`` (torch's signature and results).
     """
-    return FSDP.optim_state_dict_to_load(model, optim, optim_state_dict, group=group)
+    from shardstate import fsdp
+
+    return fsdp.optim_state_dict_to_load(model, optim, optim_state_dict, group=group)
 
 
 def _rekey_by_fqn(

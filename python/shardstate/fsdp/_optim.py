@@ -245,7 +245,7 @@ def _gather_flat(
         dist.gather(local, None, group=pg, group_dst=0)
         return None
     full = local.new_empty(layout.padded_numel)
-    dist.all_gather_into_tensor(full, local, group=pg)
+    dist.all_gather_single(full, local, group=pg)
     return full[: layout.unpadded_numel]
 
 
