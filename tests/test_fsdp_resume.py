@@ -181,7 +181,9 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _full(model: FSDP, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """Full parameters and full optimizer state, on every rank."""
+    """Full parameters and full optimizer state, on every rank, gathered by
+    torch's own functions (so the bitwise checks do not rest on shardstate's
+    gather; offload_to_cpu=False, which torch gets right, see test_fsdp_optim)."""
     with FSDP.state_dict_type(
         model,
         StateDictType.FULL_STATE_DICT,
@@ -189,7 +191,7 @@ def _full(model: FSDP, optim: torch.optim.Optimizer) -> dict[str, Any]:
         FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
     ):
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        osd = ssf.optim_state_dict(model, optim)
+        osd = FSDP.optim_state_dict(model, optim)
     return {"params": params, "optim": osd}
 
 
