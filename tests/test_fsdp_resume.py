@@ -243,10 +243,11 @@ def _save(model: FSDP, optim: torch.optim.Optimizer, ss_dir: str, torch_dir: str
 
 
 def _load(dcp: Any, sd: dict[str, Any], ckpt: str) -> None:
-    """Load {"model", "optim"} in two calls: the tensors, then ``param_groups``.
+    """Load {"model", "optim"}: in one call with shardstate; with torch's DCP
+    in two calls, the tensors, then ``param_groups``.
 
-    One call fails, in torch 2.13's DCP as in shardstate's (which follows
-    it): a rank that holds no piece of some parameter (here ``pos`` on the
+    One call fails in torch 2.13's DCP (shardstate's planner compares how
+    many checkpoint keys each rule matches instead): a rank that holds no piece of some parameter (here ``pos`` on the
     last of 4 ranks) gets an empty ShardedTensor, which the planner drops, so
     the checkpoint has keys this rank's state dict lacks; the planner takes
     that for a pre-2.4 checkpoint and re-flattens with the old rule, under
@@ -255,6 +256,9 @@ def _load(dcp: Any, sd: dict[str, Any], ckpt: str) -> None:
     tensors alone both rules give the same keys; ``param_groups`` alone
     misses nothing that the old rule would explain.
     """
+    if dcp is sdcp:
+        dcp.load(sd, checkpoint_id=ckpt)
+        return
     dcp.load({"model": sd["model"], "optim": {"state": sd["optim"]["state"]}}, checkpoint_id=ckpt)
     groups = {"optim": {"param_groups": sd["optim"]["param_groups"]}}
     dcp.load(groups, checkpoint_id=ckpt)

@@ -10,6 +10,9 @@ Deliberate differences from torch:
 
 * reads of zero elements (an empty chunk strictly inside another) are not
   planned; torch plans them and copies nothing;
+* a load falls back to pre-2.4 keys only when they match more of the
+  checkpoint's keys (torch falls back as soon as one missing key is
+  explained, which breaks a rank holding an empty shard of a parameter);
 * with ``enable_plan_caching`` a cached plan is reused only if the dtypes and
   flatten mapping are unchanged too (torch compares keys and boxes only and
   would reuse metadata with a stale dtype);
@@ -695,12 +698,16 @@ class DefaultLoadPlanner(LoadPlanner):
                              "no metadata")
         if self.flatten_state_dict:
             # Keys the checkpoint has and the current flattening lacks may come
-            # from a checkpoint written before torch 2.4: if flattening with
-            # the old rule produces some of them, use the old keys.
-            missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+            # from a checkpoint written before torch 2.4: use the old rule's
+            # keys when they match more of the checkpoint's. (torch switches
+            # as soon as the old rule explains one missing key, which also
+            # fires when this rank merely lacks some keys, e.g. an empty
+            # shard of a parameter, and then misses every list it flattens.)
+            ckpt_keys = self.metadata.state_dict_metadata.keys()
+            missing = ckpt_keys - self.state_dict.keys()
             if missing:
                 old_sd, old_mappings = flatten_state_dict(self.original_state_dict, v2_3=True)
-                if old_sd.keys() & missing:
+                if len(old_sd.keys() & ckpt_keys) > len(self.state_dict.keys() & ckpt_keys):
                     self.state_dict, self.mappings = old_sd, old_mappings
         return create_default_local_load_plan(
             self.state_dict, self.metadata, not self.allow_partial_load
