@@ -9,6 +9,7 @@
 #ifndef SS_TEST_H
 #define SS_TEST_H
 
+#include <stdint.h>
 #include <stdio.h>
 
 static int ss_t_passed, ss_t_failed, ss_t_cur_failed;
@@ -43,6 +44,23 @@ static int ss_t_passed, ss_t_failed, ss_t_cur_failed;
             ss_t_passed++;                                                    \
         }                                                                     \
     } while (0)
+
+/* A seeded xorshift64* generator for randomized cases: set ss_t_rng to
+ * choose the sequence; rnd_in(lo, hi) is uniform enough in [lo, hi]. */
+static uint64_t ss_t_rng = 0x9E3779B97F4A7C15ull;
+
+static inline uint64_t rnd(void)
+{
+    ss_t_rng ^= ss_t_rng >> 12;
+    ss_t_rng ^= ss_t_rng << 25;
+    ss_t_rng ^= ss_t_rng >> 27;
+    return ss_t_rng * 2685821657736338717ull;
+}
+
+static inline int64_t rnd_in(int64_t lo, int64_t hi)
+{
+    return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
+}
 
 /* Prints "<name>: N passed, N failed"; returns the exit status. */
 static inline int ss_test_report(const char *name)

@@ -11,21 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-
-static uint64_t rnd(void) /* xorshift64* */
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 2685821657736338717ull;
-}
-
-static int64_t rnd_in(int64_t lo, int64_t hi) /* [lo, hi] */
-{
-    return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
-}
-
 static ss_flat_layout *make(size_t n, const int64_t *numels, int64_t ws,
                             int64_t align)
 {
@@ -430,6 +415,7 @@ static void test_copy_errors(void)
 
 int main(void)
 {
+    ss_t_rng = 0x2545F4914F6CDD1Dull;
     RUN(test_layout_aligned_torch_values);
     RUN(test_layout_unaligned_and_tails);
     RUN(test_layout_zero_numel_params);

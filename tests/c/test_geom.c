@@ -10,21 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint64_t rnd(void) /* xorshift64* */
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 2685821657736338717ull;
-}
-
-static int64_t rnd_in(int64_t lo, int64_t hi) /* [lo, hi] */
-{
-    return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
-}
-
 /* Compare an index query to the double loop; returns 1 when equal. */
 static int matches_brute(int nd, size_t n, const int64_t *off,
                          const int64_t *sz, const int64_t *qo,
