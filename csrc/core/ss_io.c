@@ -5,12 +5,14 @@
  *   per piece -> fsync every file (write, if asked) -> close every file ->
  *   combine piece CRCs per job (and verify, on reads).
  * Workers share the batch by reading its tables; the only things they write
- * are their own piece_crc slot and, under mu, the first error. `failed` is
- * set after the first error so later pieces skip their work.
+ * are their own piece_crc slots and, under mu, the first error. `failed` is
+ * set after the first error so later pieces skip their work. On reads,
+ * consecutive small whole jobs of one file form a run that the first
+ * piece's task reads with one preadv (the others' tasks do nothing).
  *
- * write_all/read_all are the only transfer loops of the core: they retry
- * EINTR, continue after short transfers and cap each call at
- * SS_IO_MAX_XFER. Every other call that may report EINTR is retried by
+ * write_all/read_all/readv_all are the only transfer loops of the core: they
+ * retry EINTR, continue after short transfers and cap each call at
+ * SS_IO_MAX_XFER (a run is at most one piece). Every other call that may report EINTR is retried by
  * RETRY, except close (on Linux the descriptor is gone after any close).
  */
 #include "ss_io.h"
@@ -72,12 +74,46 @@ static int read_all(const ss_os *os, int fd, char *p, uint64_t len,
     return 0;
 }
 
+/* Read the iovecs' total at off with as many preadv calls as it takes;
+ * iov is consumed. End of file first is SS_ESHORT. */
+static int readv_all(const ss_os *os, int fd, struct iovec *iov, int cnt,
+                     int64_t off, int64_t *at)
+{
+    while (cnt > 0) {
+        int64_t k = os->preadv(os, fd, iov, cnt, off);
+        if (k == -EINTR)
+            continue;
+        if (k <= 0) {
+            *at = off;
+            return k < 0 ? (int)k : SS_ESHORT;
+        }
+        off += k;
+        while (cnt > 0 && (uint64_t)k >= iov->iov_len) {
+            k -= (int64_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + k;
+            iov->iov_len -= (size_t)k;
+        }
+    }
+    return 0;
+}
+
+/* Where the gap bytes of coalesced reads go (never read back). */
+static char discard[SS_IO_COALESCE_GAP];
+
 /* ---- batches ------------------------------------------------------------ */
 
 typedef struct {
     size_t job;
     uint64_t start; /* offset of the piece within its job */
     uint64_t len;
+    /* Reads: how many pieces (this one and the next run - 1, each a whole
+     * small job) this piece's task reads with one preadv; 0 for a piece
+     * read by an earlier one's task. Writes: always 1. */
+    uint32_t run;
 } piece;
 
 typedef struct {
@@ -133,6 +169,72 @@ static int has_failed(batch *b)
     return atomic_load_explicit(&b->failed, memory_order_relaxed);
 }
 
+/* Pieces i .. i + run - 1 (whole small jobs of one file, ascending, small
+ * gaps) with one preadv, then each one's CRC. */
+static void read_run(batch *b, size_t i, uint32_t file, int64_t off)
+{
+    struct iovec iov[SS_OS_MAX_IOV];
+    int cnt = 0;
+    int64_t at = -1, end = off;
+
+    for (size_t k = i; k < i + b->pieces[i].run; k++) {
+        const piece *pc = &b->pieces[k];
+        int64_t start = job_offset(b, pc->job);
+        if (start > end)
+            iov[cnt++] = (struct iovec){discard, (size_t)(start - end)};
+        iov[cnt++] = (struct iovec){b->r[pc->job].dst, (size_t)pc->len};
+        end = start + (int64_t)pc->len;
+    }
+    int rc = readv_all(b->os, b->fds[file], iov, cnt, off, &at);
+    if (rc < 0) {
+        record(b, rc, "preadv", b->paths[file], at, (int64_t)b->pieces[i].job);
+        return;
+    }
+    for (size_t k = i; k < i + b->pieces[i].run; k++) {
+        const piece *pc = &b->pieces[k];
+        if (wants_crc(b, pc->job))
+            b->piece_crc[k] = ss_crc32(0, b->r[pc->job].dst, pc->len);
+    }
+}
+
+/* Whether piece k can join a run that ends (its data) at end in file. */
+static int joins_run(const batch *b, size_t k, uint32_t file, int64_t end)
+{
+    const piece *pc = &b->pieces[k];
+    int64_t start = job_offset(b, pc->job);
+    return pc->start == 0 && pc->len == job_len(b, pc->job) &&
+           pc->len <= SS_IO_COALESCE_JOB && job_file(b, pc->job) == file &&
+           start >= end && (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
+}
+
+/* Reads: group consecutive small whole-job pieces into runs. */
+static void coalesce(batch *b, size_t n, size_t psize)
+{
+    for (size_t k = 0; k < n;) {
+        const piece *pc = &b->pieces[k];
+        uint32_t file = job_file(b, pc->job);
+        int64_t first = job_offset(b, pc->job);
+        int64_t end = first + (int64_t)pc->len;
+        size_t m = 1;
+        if (pc->start == 0 && pc->len == job_len(b, pc->job) &&
+            pc->len <= SS_IO_COALESCE_JOB) {
+            while (k + m < n && m < SS_OS_MAX_IOV / 2 &&
+                   joins_run(b, k + m, file, end)) {
+                const piece *nx = &b->pieces[k + m];
+                int64_t nend = job_offset(b, nx->job) + (int64_t)nx->len;
+                if ((uint64_t)(nend - first) > psize)
+                    break;
+                end = nend;
+                m++;
+            }
+        }
+        b->pieces[k].run = (uint32_t)m;
+        for (size_t f = 1; f < m; f++)
+            b->pieces[k + f].run = 0;
+        k += m;
+    }
+}
+
 static void piece_task(void *ctx, size_t i)
 {
     batch *b = ctx;
@@ -159,13 +261,15 @@ static void piece_task(void *ctx, size_t i)
                 record(b, rc, "writeback", b->paths[file], off,
                        (int64_t)pc->job);
         }
-    } else {
+    } else if (pc->run == 1) {
         char *p = (char *)b->r[pc->job].dst + pc->start;
         rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
         if (rc < 0)
             record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
         else if (wants_crc(b, pc->job)) /* right after the read, while hot */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
+    } else if (pc->run > 1) {
+        read_run(b, i, file, off);
     }
 }
 
@@ -278,9 +382,11 @@ static int make_pieces(batch *b, size_t njobs, size_t psize, size_t **first)
         uint64_t len = job_len(b, j);
         (*first)[j] = k;
         for (uint64_t s = 0; s < len; s += psize, k++)
-            b->pieces[k] = (piece){j, s, len - s < psize ? len - s : psize};
+            b->pieces[k] = (piece){j, s, len - s < psize ? len - s : psize, 1};
     }
     (*first)[njobs] = k;
+    if (b->r != NULL)
+        coalesce(b, k, psize);
     return 0;
 }
 

@@ -38,6 +38,13 @@
 #define SS_IO_PIECE_DEFAULT ((size_t)8 << 20)
 /* Largest transfer asked of one pread/pwrite (Linux caps at ~2 GiB). */
 #define SS_IO_MAX_XFER ((size_t)1 << 30)
+/* Reads are coalesced: consecutive read jobs of one file, each at most
+ * SS_IO_COALESCE_JOB bytes, in ascending order with gaps of at most
+ * SS_IO_COALESCE_GAP bytes between them, are read by one preadv (the gap
+ * bytes into a discard buffer), up to one piece's size and
+ * SS_OS_MAX_IOV / 2 jobs a read. */
+#define SS_IO_COALESCE_JOB ((size_t)256 << 10)
+#define SS_IO_COALESCE_GAP ((size_t)4096)
 
 typedef struct ss_io_opts {
     size_t size;  /* sizeof(ss_io_opts); smaller is SS_EINVAL */

@@ -49,6 +49,14 @@ static int64_t px_pread(const ss_os *os, int fd, void *buf, size_t n,
     return k < 0 ? -errno : (int64_t)k;
 }
 
+static int64_t px_preadv(const ss_os *os, int fd, const struct iovec *iov,
+                         int iovcnt, int64_t off)
+{
+    (void)os;
+    ssize_t k = preadv(fd, iov, iovcnt, (off_t)off);
+    return k < 0 ? -errno : (int64_t)k;
+}
+
 static int px_fsync(const ss_os *os, int fd)
 {
     (void)os;
@@ -112,8 +120,8 @@ static int px_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
 
 static const ss_os posix_os = {
     NULL,      px_open,      px_close,  px_pwrite, px_pread,
-    px_fsync,  px_fsize,     px_ftruncate, px_rename, px_unlink,
-    px_fsync_dir, px_writeback,
+    px_preadv, px_fsync,     px_fsize,  px_ftruncate, px_rename,
+    px_unlink, px_fsync_dir, px_writeback,
 };
 
 const ss_os *ss_os_default(void) { return &posix_os; }
@@ -246,6 +254,36 @@ static int64_t fi_pread(const ss_os *os, int fd, void *buf, size_t n,
     return base_of(os)->pread(base_of(os), fd, buf, n, off);
 }
 
+/* A short arm reads only its first m bytes: the iovecs cut to m. */
+static int64_t fi_preadv(const ss_os *os, int fd, const struct iovec *iov,
+                         int iovcnt, int64_t off)
+{
+    struct iovec cut[SS_OS_MAX_IOV];
+    size_t n = 0;
+    int rc;
+
+    if (iovcnt < 0 || iovcnt > SS_OS_MAX_IOV)
+        return -EINVAL;
+    for (int i = 0; i < iovcnt; i++)
+        n += iov[i].iov_len;
+    size_t want = n;
+    rc = xfer_fault(os, SS_OS_PREADV, &n);
+    if (rc < 0)
+        return rc;
+    if (n == want)
+        return base_of(os)->preadv(base_of(os), fd, iov, iovcnt, off);
+    if (n == 0)
+        return 0;
+    int k = 0;
+    for (size_t left = n; left > 0 && k < iovcnt; k++) {
+        cut[k] = iov[k];
+        if (cut[k].iov_len > left)
+            cut[k].iov_len = left;
+        left -= cut[k].iov_len;
+    }
+    return base_of(os)->preadv(base_of(os), fd, cut, k, off);
+}
+
 static int fi_fsync(const ss_os *os, int fd)
 {
     SS__INJECT(os, SS_OS_FSYNC);
@@ -296,8 +334,9 @@ int ss_faults_new(ss_faults **out, const ss_os *base)
     if (f == NULL)
         return SS_ENOMEM;
     f->vt = (ss_os){f,         fi_open,      fi_close,     fi_pwrite,
-                    fi_pread,  fi_fsync,     fi_fsize,     fi_ftruncate,
-                    fi_rename, fi_unlink,    fi_fsync_dir, fi_writeback};
+                    fi_pread,  fi_preadv,    fi_fsync,     fi_fsize,
+                    fi_ftruncate, fi_rename, fi_unlink,    fi_fsync_dir,
+                    fi_writeback};
     f->base = base != NULL ? base : ss_os_default();
     for (int i = 0; i < SS_OS_NOPS; i++)
         atomic_init(&f->calls[i], 0);
@@ -339,7 +378,7 @@ int ss_faults_fail(ss_faults *f, int op, uint64_t at_call, int err)
 
 int ss_faults_short(ss_faults *f, int op, uint64_t at_call, size_t nbytes)
 {
-    if (op != SS_OS_PWRITE && op != SS_OS_PREAD)
+    if (op != SS_OS_PWRITE && op != SS_OS_PREAD && op != SS_OS_PREADV)
         return SS_EINVAL;
     return add_arm(f, op, ARM_SHORT, at_call, nbytes);
 }

@@ -9,8 +9,8 @@
  * ss_os_default() is plain POSIX. ss_faults wraps a base vtable: it counts
  * the calls of each operation (atomically: batch I/O calls from many
  * threads) and, when armed, makes call number k (1-based) of an operation
- * fail with a chosen errno, transfer only m bytes (pwrite/pread), or fail
- * once with EINTR. Several arms may be set at once; each fires at most once
+ * fail with a chosen errno, transfer only m bytes (pwrite/pread/preadv),
+ * or fail once with EINTR. Several arms may be set at once; each fires at most once
  * (call numbers are never reused until ss_faults_reset).
  *
  * An injected failure of close still closes the descriptor (as Linux
@@ -25,6 +25,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 typedef struct ss_os ss_os;
 
@@ -38,6 +39,10 @@ struct ss_os {
                       int64_t off);
     int64_t (*pread)(const ss_os *os, int fd, void *buf, size_t n,
                      int64_t off);
+    /* One preadv(2) of iovcnt (<= SS_OS_MAX_IOV) buffers: bytes read (may
+     * be short) or -errno. */
+    int64_t (*preadv)(const ss_os *os, int fd, const struct iovec *iov,
+                      int iovcnt, int64_t off);
     int (*fsync)(const ss_os *os, int fd);
     int (*fsize)(const ss_os *os, int fd, int64_t *size); /* fstat size */
     int (*ftruncate)(const ss_os *os, int fd, int64_t size);
@@ -50,12 +55,16 @@ struct ss_os {
     int (*writeback)(const ss_os *os, int fd, int64_t off, int64_t n);
 };
 
+/* The most buffers one preadv is given (well under every IOV_MAX). */
+#define SS_OS_MAX_IOV 128
+
 /* The operations, for counting and arming faults. */
 #define SS_OS_OPS(X)                                                          \
     X(SS_OS_OPEN, "open")                                                     \
     X(SS_OS_CLOSE, "close")                                                   \
     X(SS_OS_PWRITE, "pwrite")                                                 \
     X(SS_OS_PREAD, "pread")                                                   \
+    X(SS_OS_PREADV, "preadv")                                                 \
     X(SS_OS_FSYNC, "fsync")                                                   \
     X(SS_OS_FSIZE, "fstat")                                                   \
     X(SS_OS_FTRUNCATE, "ftruncate")                                           \
@@ -94,8 +103,8 @@ const ss_os *ss_faults_os(const ss_faults *f);
  * Each returns 0, or SS_EINVAL for a bad op/at_call/err or when
  * SS_FAULTS_MAX_ARMS arms are already set. */
 int ss_faults_fail(ss_faults *f, int op, uint64_t at_call, int err);
-/* Call at_call of pwrite/pread transfers at most nbytes (a short transfer,
- * not an error; nbytes 0 looks like end of file to a read). */
+/* Call at_call of pwrite/pread/preadv transfers at most nbytes (a short
+ * transfer, not an error; nbytes 0 looks like end of file to a read). */
 int ss_faults_short(ss_faults *f, int op, uint64_t at_call, size_t nbytes);
 /* Call at_call of op returns -EINTR without doing anything. */
 int ss_faults_eintr(ss_faults *f, int op, uint64_t at_call);

@@ -154,8 +154,8 @@ static PyMethodDef FaultInjector_methods[] = {
      "fail(op, at_call, errno)\n--\n\nMake call number at_call (1-based) of "
      "op fail with errno."},
     {"short", (PyCFunction)FaultInjector_short, METH_VARARGS,
-     "short(op, at_call, nbytes)\n--\n\nMake call at_call of 'pwrite' or "
-     "'pread' transfer at most nbytes."},
+     "short(op, at_call, nbytes)\n--\n\nMake call at_call of 'pwrite', "
+     "'pread' or 'preadv' transfer at most nbytes."},
     {"eintr", (PyCFunction)FaultInjector_eintr, METH_VARARGS,
      "eintr(op, at_call)\n--\n\nMake call at_call of op fail once with "
      "EINTR (the engine retries it)."},
@@ -173,8 +173,9 @@ static PyType_Slot FaultInjector_slots[] = {
     {Py_tp_doc, "FaultInjector()\n--\n\n"
                 "Counts the system calls of the batches it is passed to "
                 "(faults=) and makes chosen ones fail, transfer short or "
-                "report EINTR. Ops: open, close, pwrite, pread, fsync, "
-                "fstat, ftruncate, rename, unlink, fsync_dir, writeback."},
+                "report EINTR. Ops: open, close, pwrite, pread, preadv, "
+                "fsync, fstat, ftruncate, rename, unlink, fsync_dir, "
+                "writeback."},
     {0, NULL},
 };
 

@@ -263,6 +263,81 @@ static void test_writeback_unsupported(void)
     ss_faults_free(f);
 }
 
+/* Small jobs of one file, in order, with small gaps: read by preadv runs.
+ * Reads land right (CRCs too), across run limits, and every preadv fault
+ * (error, short transfer, EINTR) is handled as pread's are. */
+static void test_coalesced_reads(void)
+{
+    enum { N = 150 }; /* > SS_OS_MAX_IOV / 2: at least two runs */
+    static unsigned char src_c[N][300], dst_c[N][300];
+    ss_io_wjob w[N];
+    ss_io_rjob r[N];
+    uint32_t crc[N], got[N];
+    int64_t off = 0;
+    ss_errinfo e;
+    ss_io_opts o = SS_IO_OPTS_INIT;
+    ss_faults *f = NULL;
+
+    for (int j = 0; j < N; j++) {
+        size_t len = (size_t)rnd_in(j % 5 == 0 ? 0 : 1, 300);
+        for (size_t i = 0; i < len; i++)
+            src_c[j][i] = (unsigned char)rnd();
+        off += rnd_in(0, 64); /* gaps, as zip headers leave between records */
+        w[j] = (ss_io_wjob){src_c[j], len, 0, off};
+        r[j] = (ss_io_rjob){dst_c[j], len, 0, off, 0, 0};
+        off += (int64_t)len;
+    }
+    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, 1, w, N, &o, crc, &e), 0);
+    for (int j = 0; j < N; j++) {
+        r[j].crc = crc[j];
+        r[j].has_crc = 1;
+    }
+    CHECK_EQ_INT(ss_faults_new(&f, NULL), 0);
+    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, got, &e),
+                 0);
+    uint64_t runs = ss_faults_calls(f, SS_OS_PREADV);
+    CHECK(runs >= 2 && runs <= 4);
+    CHECK_EQ_INT(ss_faults_calls(f, SS_OS_PREAD), 0);
+    for (int j = 0; j < N; j++) {
+        CHECK_EQ_INT(got[j], crc[j]);
+        CHECK(memcmp(src_c[j], dst_c[j], w[j].len) == 0);
+    }
+    /* a failing preadv names the file and the run's first job */
+    static const int errs[] = {EIO, ENOMEM};
+    for (size_t ei = 0; ei < 2; ei++) {
+        for (uint64_t k = 1; k <= runs; k++) {
+            int fds = count_fds();
+            ss_faults_reset(f);
+            CHECK_EQ_INT(ss_faults_fail(f, SS_OS_PREADV, k, errs[ei]), 0);
+            CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o,
+                                    NULL, &e),
+                         -errs[ei]);
+            CHECK(strcmp(e.op, "preadv") == 0 && strcmp(e.path, paths[0]) == 0);
+            CHECK(e.job >= 0 && e.job < N);
+            CHECK_EQ_INT(count_fds(), fds);
+        }
+    }
+    /* short transfers (cut inside a gap, a job, or to 1 byte) and EINTR */
+    static const size_t cuts[] = {1, 7, 301, 1000};
+    for (size_t c = 0; c < 4; c++) {
+        memset(dst_c, 0xEE, sizeof dst_c);
+        ss_faults_reset(f);
+        CHECK_EQ_INT(ss_faults_short(f, SS_OS_PREADV, 1, cuts[c]), 0);
+        CHECK_EQ_INT(ss_faults_eintr(f, SS_OS_PREADV, 2), 0);
+        CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, got,
+                                &e),
+                     0);
+        for (int j = 0; j < N; j++)
+            CHECK(memcmp(src_c[j], dst_c[j], w[j].len) == 0 && got[j] == crc[j]);
+    }
+    /* a run that meets the end of the file early is SS_ESHORT */
+    ss_faults_reset(f);
+    CHECK_EQ_INT(ss_faults_short(f, SS_OS_PREADV, 1, 0), 0);
+    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, NULL, &e),
+                 SS_ESHORT);
+    ss_faults_free(f);
+}
+
 static void test_short_and_eintr(void)
 {
     static const char *const ops[] = {"pwrite", "pread"};
@@ -420,6 +495,7 @@ int main(void)
     RUN(test_range_and_validation);
     RUN(test_fault_matrix);
     RUN(test_writeback_unsupported);
+    RUN(test_coalesced_reads);
     RUN(test_short_and_eintr);
     RUN(test_file_shrinks_during_read);
     RUN(test_publish);
