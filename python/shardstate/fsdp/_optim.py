@@ -167,6 +167,7 @@ def _dim0_chunks(
     dist.all_to_all_single(recv, send, list(plan.recv_sizes), list(plan.send_sizes), group=pg)
     del send
     out = []
+    jobs = []
     for i, n in enumerate(plan.chunk_numels):
         segs = plan.recv_segments[i]
         if len(segs) == 1:
@@ -176,8 +177,9 @@ def _dim0_chunks(
             out.append(recv[off : off + k])
             continue
         chunk = local.new_empty(n)
-        _flatops.pack_segments(recv, segs, chunk)
+        jobs.append((recv, segs, chunk))
         out.append(chunk)
+    _flatops.pack_segments_many(jobs)  # the chunks cut by a shard boundary, one C batch
     return out
 
 
@@ -587,9 +589,8 @@ def _scatter_shard(
     if layout.rank == 0:
         assert pieces is not None
         full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        _flatops.flatten_full_into(layout, pieces, full)
         parts = list(full.split(layout.shard_numel))
-        for r, part in enumerate(parts):
-            _flatops.flatten_shard_into(layout, pieces, r, part)
         dist.scatter(shard, parts, group=pg, group_src=0)
         del full, parts
     else:
