@@ -131,6 +131,11 @@ def test_dim0_all_to_all_simulated(shapes, world_size, align, dtype, seed) -> No
         _flatops.flatten_shard_into(lay, pieces, lay.rank, shard)
         send = torch.full((sum(plan.send_sizes),), 7, dtype=dtype)
         _flatops.pack_segments(shard, plan.send_segments, send)
+        # use_orig_params: the same send buffer straight from the local pieces
+        local = [_flatops.slice_local(lay, i, p, full=True) for i, p in enumerate(pieces)]
+        direct = torch.full_like(send, 7)
+        _flatops.pack_local_segments_into(lay, local, plan.send_segments, direct)
+        assert torch.equal(direct, send)
         shards.append(shard)
         sends.append(list(send.split(list(plan.send_sizes))))
     for me, plan in enumerate(plans):
@@ -194,6 +199,10 @@ def test_bad_input_is_refused() -> None:
         _flatops.pack_segments(torch.zeros(4), [(3, 2)], torch.empty(2))
     with pytest.raises(ValueError, match="cover 2 of 3"):
         _flatops.pack_segments(torch.zeros(4), [(0, 2)], torch.empty(3))
+    with pytest.raises(ValueError, match="not inside one parameter"):
+        _flatops.pack_local_segments_into(
+            layout, [torch.zeros(5), None], [(3, 3)], torch.empty(3)
+        )
     with pytest.raises(AssertionError, match="world size 2, its state 3"):
         _flatops.unit_layout(_handle([(2,)], 2, 0), 3, 0, True)
     assert _flatops.dim0_plan(_flatops.unit_layout(_handle([(2,), ()], 2, 0), 2, 0, True)) is None

@@ -12,6 +12,7 @@ bulk copies are C copy jobs run with the GIL released:
     flatten_shard_into   FlatLayout.flatten(pieces, rank, out, pad_value=0)
     flatten_full_into    every rank's shard in one flatten_many batch
     pack_local_into      FlatLayout.flatten of (piece, intra_param_start_idx) parts
+    pack_local_segments_into  the all-to-all send buffer straight from those parts
     pack_segments(_many) flatten_many over layouts whose "parameters" are the segments
     slice_local          one torch copy (a single slice is clearer than a job)
 
@@ -38,6 +39,7 @@ communicates; nothing here keeps a reference to the tensors it is given.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ __all__ = [
     "flatten_full_into",
     "flatten_shard_into",
     "pack_local_into",
+    "pack_local_segments_into",
     "pack_segments",
     "pack_segments_many",
     "slice_local",
@@ -250,9 +253,16 @@ def pack_local_into(
     shard (``numel_in_shard`` elements, as the optimizer keeps it for a
     sharded original parameter) or None (zeros). Everything else is zero.
     """
+    _check_out(layout, out)
+    _run_flatten(_shard_jobs(layout, _local_parts(layout, local_pieces), layout.rank, out))
+
+
+def _local_parts(
+    layout: UnitLayout, local_pieces: Sequence[torch.Tensor | None]
+) -> list[tuple[torch.Tensor, int] | None]:
+    """Checked local pieces as flatten's ``(buffer, intra_param_start_idx)`` parts."""
     if len(local_pieces) != layout.num_params:
         raise ValueError(f"expected {layout.num_params} pieces, got {len(local_pieces)}")
-    _check_out(layout, out)
     parts: list[Any] = []
     for i, piece in enumerate(local_pieces):
         if piece is None or piece.numel() == 0:
@@ -265,7 +275,42 @@ def pack_local_into(
                 f"holds {info.numel_in_shard if info.in_shard else 0}"
             )
         parts.append((_src(piece), info.intra_param_start_idx))
-    _run_flatten(_shard_jobs(layout, parts, layout.rank, out))
+    return parts
+
+
+def pack_local_segments_into(
+    layout: UnitLayout,
+    local_pieces: Sequence[torch.Tensor | None],
+    segments: Sequence[tuple[int, int]],
+    out: torch.Tensor,
+) -> None:
+    """``pack_segments(shard, segments, out)`` for the shard ``pack_local_into``
+    would build from ``local_pieces``, without building it: one copy, straight
+    from the pieces. Every segment ``(offset in shard, numel)`` must lie inside
+    one parameter's part of the shard (``dim0_plan``'s send segments do)."""
+    parts = _local_parts(layout, local_pieces)
+    spans = sorted(
+        (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard, i)
+        for i, info in enumerate(layout.shard_infos)
+        if info.in_shard and info.numel_in_shard > 0
+    )
+    starts = [a for a, _, _ in spans]
+    if out.dim() != 1:
+        raise ValueError("pack_local_segments_into: out must be 1-D")
+    sizes, pieces, pos = [], [], 0
+    for off, n in segments:
+        k = bisect.bisect_right(starts, off) - 1
+        if n < 0 or k < 0 or off + n > spans[k][1]:
+            raise ValueError(f"segment ({off}, {n}) is not inside one parameter of the shard")
+        a, _, i = spans[k]
+        part = parts[i]
+        sizes.append(n)
+        pieces.append(None if part is None else part[0][off - a : off - a + n])
+        pos += n
+    if pos != out.numel():
+        raise ValueError(f"segments cover {pos} of {out.numel()} elements")
+    if segments:
+        _run_flatten([(FlatLayout(sizes, 1), 0, pieces, out)])
 
 
 def slice_local(

@@ -146,24 +146,34 @@ def _fast_sharded(fsdp_state: Any) -> bool:
 
 
 def _dim0_chunks(
-    local: torch.Tensor, layout: _flatops.UnitLayout, pg: dist.ProcessGroup | None, what: str
+    local: torch.Tensor | list[torch.Tensor | None],
+    layout: _flatops.UnitLayout,
+    pg: dist.ProcessGroup | None,
+    what: str,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor] | None:
     """One all-to-all: every rank's flat shard -> this rank's dim-0 chunk of every parameter.
 
+    ``local`` is this rank's flat shard, or (``use_orig_params=True``) the
+    per-parameter local pieces, packed straight into the send buffer.
     Each rank receives about one shard's worth instead of the whole unit.
     None when a parameter cannot be chunked on dim 0 (the caller gathers instead).
     """
     plan = _flatops.dim0_plan(layout)
     if plan is None:
         return None
-    if local.dim() != 1 or local.numel() != layout.shard_numel:
-        raise ValueError(
-            f"optimizer state {what} should be this rank's flat shard of "
-            f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
-        )
-    send = local.new_empty(sum(plan.send_sizes))
-    _flatops.pack_segments(local, plan.send_segments, send)
-    recv = local.new_empty(sum(plan.recv_sizes))
+    send = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
+    if isinstance(local, list):
+        _flatops.pack_local_segments_into(layout, local, plan.send_segments, send)
+    else:
+        if local.dim() != 1 or local.numel() != layout.shard_numel:
+            raise ValueError(
+                f"optimizer state {what} should be this rank's flat shard of "
+                f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
+            )
+        _flatops.pack_segments(local, plan.send_segments, send)
+    recv = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
     dist.all_to_all_single(recv, send, list(plan.recv_sizes), list(plan.send_sizes), group=pg)
     del send
     out = []
@@ -176,7 +186,7 @@ def _dim0_chunks(
             off, k = segs[0]
             out.append(recv[off : off + k])
             continue
-        chunk = local.new_empty(n)
+        chunk = torch.empty(n, dtype=dtype, device=device)
         jobs.append((recv, segs, chunk))
         out.append(chunk)
     _flatops.pack_segments_many(jobs)  # the chunks cut by a shard boundary, one C batch
@@ -287,7 +297,9 @@ def _unflatten_flat_state(
             if value.device.type != fsdp_state.compute_device.type:
                 value = value.to(fsdp_state.compute_device)
             if shard_state and _fast_sharded(fsdp_state):
-                chunks = _dim0_chunks(value, layout, fsdp_state.process_group, repr(name))
+                chunks = _dim0_chunks(
+                    value, layout, fsdp_state.process_group, repr(name), value.dtype, value.device
+                )
                 if chunks is not None:
                     chunked[name] = chunks
                     tensor_state[name] = None
@@ -377,18 +389,21 @@ def _gather_orig_unit(
     dtype, state_buffers = _convert_all_state_info(info, gathered_info, input_states, output_states)
     if state_buffers:
         layout = _layout(info)
+        device = fsdp_state.compute_device
         for name, pieces in state_buffers.items():
-            local = torch.empty(layout.shard_numel, dtype=dtype, device=fsdp_state.compute_device)
-            _flatops.pack_local_into(layout, pieces, local)
             chunks = None
             if shard_state and _fast_sharded(fsdp_state):
-                chunks = _dim0_chunks(local, layout, fsdp_state.process_group, repr(name))
+                chunks = _dim0_chunks(
+                    list(pieces), layout, fsdp_state.process_group, repr(name), dtype, device
+                )
             if chunks is not None:
                 for fqn, idx in info.param_indices.items():
                     if fqn in output_states:
                         value = _sharded_tensor(fsdp_state, chunks[idx], layout.shapes[idx])
                         output_states[fqn][name] = value.cpu() if cpu_offload else value
                 continue
+            local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            _flatops.pack_local_into(layout, pieces, local)
             full = _gather_flat(local, layout, fsdp_state.process_group, to_rank0, repr(name))
             del local
             if full is None or not to_save:
@@ -686,6 +701,7 @@ def _shard_orig_unit(
     layout = _layout(info)
     out: dict[str, dict[str, Any]] = {}
     if not rank0_only:
+        jobs = []  # every slice of the unit, one C batch
         for fqn in fqns:
             state = unflat_state[fqn]
             if not state:
@@ -701,9 +717,19 @@ def _shard_orig_unit(
             new: dict[str, Any] = {}
             for name, value in state.items():
                 if layout.sharded and torch.is_tensor(value) and value.dim() > 0:
-                    value = _flatops.slice_local(layout, idx, value, full=True)
+                    sinfo = layout.shard_infos[idx]
+                    if value.numel() != layout.numels[idx]:
+                        raise ValueError(
+                            f"state {name!r} of {fqn!r} has {value.numel()} elements, "
+                            f"the parameter {layout.numels[idx]}"
+                        )
+                    lo, n = sinfo.intra_param_start_idx, sinfo.numel_in_shard
+                    piece = torch.empty(n, dtype=value.dtype, device=value.device)
+                    jobs.append((value.reshape(-1), [(lo, n)], piece))
+                    value = piece
                 new[name] = value
             out[fqn] = new
+        _flatops.pack_segments_many(jobs)
         return out
     if not layout.sharded:
         for fqn in fqns:
