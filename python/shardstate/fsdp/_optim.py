@@ -701,7 +701,6 @@ def _shard_orig_unit(
     layout = _layout(info)
     out: dict[str, dict[str, Any]] = {}
     if not rank0_only:
-        jobs = []  # every slice of the unit, one C batch
         for fqn in fqns:
             state = unflat_state[fqn]
             if not state:
@@ -717,19 +716,9 @@ def _shard_orig_unit(
             new: dict[str, Any] = {}
             for name, value in state.items():
                 if layout.sharded and torch.is_tensor(value) and value.dim() > 0:
-                    sinfo = layout.shard_infos[idx]
-                    if value.numel() != layout.numels[idx]:
-                        raise ValueError(
-                            f"state {name!r} of {fqn!r} has {value.numel()} elements, "
-                            f"the parameter {layout.numels[idx]}"
-                        )
-                    lo, n = sinfo.intra_param_start_idx, sinfo.numel_in_shard
-                    piece = torch.empty(n, dtype=value.dtype, device=value.device)
-                    jobs.append((value.reshape(-1), [(lo, n)], piece))
-                    value = piece
+                    value = _flatops.slice_local(layout, idx, value, full=True)
                 new[name] = value
             out[fqn] = new
-        _flatops.pack_segments_many(jobs)
         return out
     if not layout.sharded:
         for fqn in fqns:
