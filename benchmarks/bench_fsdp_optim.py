@@ -206,7 +206,8 @@ def main() -> int:
     print(
         f"{'operation':14s} {'torch s':>8s} {'ours s':>8s} {'speedup':>8s}  "
         f"{'torch MiB':>9s} {'ours MiB':>8s} {'ratio':>6s}  "
-        f"{'above result MiB: torch':>23s} {'ours':>5s}   per-rank peak MiB (torch | ours)"
+        f"{'above result MiB: torch':>23s} {'ours':>5s}  {'targets':9s} "
+        "per-rank peak MiB (torch | ours)"
     )
     ok = True
     names = ("torch", "shardstate")
@@ -227,13 +228,20 @@ def main() -> int:
         speed = t["torch"] / t["shardstate"]
         mem = m["shardstate"] / m["torch"] if m["torch"] else float("nan")
         ok &= speed >= 2 and mem <= 0.6
+        marks = ("time ok" if speed >= 2 else "TIME MISS") + ", " + (
+            "mem ok" if mem <= 0.6 else "MEM MISS"
+        )
         print(
             f"{op:14s} {t['torch']:8.3f} {t['shardstate']:8.3f} {speed:7.2f}x  "
             f"{m['torch']:9.1f} {m['shardstate']:8.1f} {mem:5.2f}x  "
-            f"{above['torch']:23.1f} {above['shardstate']:5.1f}   "
+            f"{above['torch']:23.1f} {above['shardstate']:5.1f}  {marks:9s} "
             f"{' '.join(f'{x:.0f}' for x in m_rank['torch'])} | "
             f"{' '.join(f'{x:.0f}' for x in m_rank['shardstate'])}"
         )
+    print(
+        "speedup = torch s / ours s; ratio = our peak / torch peak; above result = peak RSS "
+        "minus the bytes of the returned tensors (what the call needs beyond its result)"
+    )
     print(
         "targets: speedup >= 2x and peak ratio <= 0.6x on each:",
         "met" if ok else "NOT met",

@@ -651,3 +651,53 @@ def test_flatops_match_torch_flat_param(run_distributed, world_size: int) -> Non
     checks = run_distributed(_flatops_vs_torch, world_size)
     # Units: block1, block2, frozen, root (use_orig_params=False); frozen joins the root with True.
     assert checks == [7] * world_size, checks
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 state through the C copies (viewed as int16 there)
+# ---------------------------------------------------------------------------
+
+
+def _bf16_case(rank: int, world_size: int) -> int:
+    cm = _quiet()
+    checks = 0
+    try:
+        for use_orig_params in (False, True):
+            torch.manual_seed(0)
+            model = Nested().to(torch.bfloat16)
+            kw = dict(device_id=CPU, use_orig_params=use_orig_params)
+            model.block1 = FSDP(model.block1, **kw)
+            model.block2 = FSDP(model.block2, **kw)
+            if not use_orig_params:
+                model.frozen = FSDP(model.frozen, **kw)
+            model = FSDP(model, **kw)
+            optim = _optimizer(model, "adam")
+            gen = torch.Generator().manual_seed(100 + rank)
+            for _ in range(2):
+                idx = torch.randint(0, 11, (4, 3), generator=gen)
+                model(idx).float().square().mean().backward()
+                optim.step()
+                optim.zero_grad()
+            dtypes = {
+                v.dtype for s in optim.state_dict()["state"].values() for k, v in s.items()
+                if k != "step"
+            }
+            assert dtypes == {torch.bfloat16}, dtypes
+            for sharded, rank0_only in ((False, True), (True, False), (False, False)):
+                _set_type(model, sharded, rank0_only, offload=False)
+                where = f"bf16 use_orig_params={use_orig_params} sharded={sharded} r0={rank0_only}"
+                theirs = FSDP.optim_state_dict(model, optim)
+                ours = ssf.optim_state_dict(model, optim)
+                assert_same(ours, theirs, where)
+                loaded_theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(theirs))
+                loaded_ours = ssf.optim_state_dict_to_load(model, optim, copy.copy(ours))
+                _same_loadable(loaded_ours, loaded_theirs, where + " load")
+                checks += 1
+        return checks
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def test_bf16_state_matches_torch(run_distributed) -> None:
+    checks = run_distributed(_bf16_case, 3)
+    assert checks == [6] * 3, checks

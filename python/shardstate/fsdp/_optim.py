@@ -146,27 +146,38 @@ def _fast_sharded(fsdp_state: Any) -> bool:
 
 
 def _dim0_chunks(
-    local: torch.Tensor, layout: _flatops.UnitLayout, pg: dist.ProcessGroup | None, what: str
+    local: torch.Tensor | list[torch.Tensor | None],
+    layout: _flatops.UnitLayout,
+    pg: dist.ProcessGroup | None,
+    what: str,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor] | None:
     """One all-to-all: every rank's flat shard -> this rank's dim-0 chunk of every parameter.
 
+    ``local`` is this rank's flat shard, or (``use_orig_params=True``) the
+    per-parameter local pieces, packed straight into the send buffer.
     Each rank receives about one shard's worth instead of the whole unit.
     None when a parameter cannot be chunked on dim 0 (the caller gathers instead).
     """
     plan = _flatops.dim0_plan(layout)
     if plan is None:
         return None
-    if local.dim() != 1 or local.numel() != layout.shard_numel:
-        raise ValueError(
-            f"optimizer state {what} should be this rank's flat shard of "
-            f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
-        )
-    send = local.new_empty(sum(plan.send_sizes))
-    _flatops.pack_segments(local, plan.send_segments, send)
-    recv = local.new_empty(sum(plan.recv_sizes))
+    send = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
+    if isinstance(local, list):
+        _flatops.pack_local_segments_into(layout, local, plan.send_segments, send)
+    else:
+        if local.dim() != 1 or local.numel() != layout.shard_numel:
+            raise ValueError(
+                f"optimizer state {what} should be this rank's flat shard of "
+                f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
+            )
+        _flatops.pack_segments(local, plan.send_segments, send)
+    recv = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
     dist.all_to_all_single(recv, send, list(plan.recv_sizes), list(plan.send_sizes), group=pg)
     del send
     out = []
+    jobs = []
     for i, n in enumerate(plan.chunk_numels):
         segs = plan.recv_segments[i]
         if len(segs) == 1:
@@ -175,9 +186,10 @@ def _dim0_chunks(
             off, k = segs[0]
             out.append(recv[off : off + k])
             continue
-        chunk = local.new_empty(n)
-        _flatops.pack_segments(recv, segs, chunk)
+        chunk = torch.empty(n, dtype=dtype, device=device)
+        jobs.append((recv, segs, chunk))
         out.append(chunk)
+    _flatops.pack_segments_many(jobs)  # the chunks cut by a shard boundary, one C batch
     return out
 
 
@@ -285,7 +297,9 @@ def _unflatten_flat_state(
             if value.device.type != fsdp_state.compute_device.type:
                 value = value.to(fsdp_state.compute_device)
             if shard_state and _fast_sharded(fsdp_state):
-                chunks = _dim0_chunks(value, layout, fsdp_state.process_group, repr(name))
+                chunks = _dim0_chunks(
+                    value, layout, fsdp_state.process_group, repr(name), value.dtype, value.device
+                )
                 if chunks is not None:
                     chunked[name] = chunks
                     tensor_state[name] = None
@@ -375,18 +389,21 @@ def _gather_orig_unit(
     dtype, state_buffers = _convert_all_state_info(info, gathered_info, input_states, output_states)
     if state_buffers:
         layout = _layout(info)
+        device = fsdp_state.compute_device
         for name, pieces in state_buffers.items():
-            local = torch.empty(layout.shard_numel, dtype=dtype, device=fsdp_state.compute_device)
-            _flatops.pack_local_into(layout, pieces, local)
             chunks = None
             if shard_state and _fast_sharded(fsdp_state):
-                chunks = _dim0_chunks(local, layout, fsdp_state.process_group, repr(name))
+                chunks = _dim0_chunks(
+                    list(pieces), layout, fsdp_state.process_group, repr(name), dtype, device
+                )
             if chunks is not None:
                 for fqn, idx in info.param_indices.items():
                     if fqn in output_states:
                         value = _sharded_tensor(fsdp_state, chunks[idx], layout.shapes[idx])
                         output_states[fqn][name] = value.cpu() if cpu_offload else value
                 continue
+            local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            _flatops.pack_local_into(layout, pieces, local)
             full = _gather_flat(local, layout, fsdp_state.process_group, to_rank0, repr(name))
             del local
             if full is None or not to_save:
@@ -587,9 +604,8 @@ def _scatter_shard(
     if layout.rank == 0:
         assert pieces is not None
         full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        _flatops.flatten_full_into(layout, pieces, full)
         parts = list(full.split(layout.shard_numel))
-        for r, part in enumerate(parts):
-            _flatops.flatten_shard_into(layout, pieces, r, part)
         dist.scatter(shard, parts, group=pg, group_src=0)
         del full, parts
     else:
