@@ -113,7 +113,9 @@ def state(total: int, mesh, placement, fill: bool) -> dict:
             "trainer": {"step": 1000 if fill else 0, "run": "shardstate-demo" if fill else ""}}
 
 
-def tensor_bytes(sd: dict) -> int:
+def local_bytes(sd: dict) -> int:
+    """Bytes of this rank's pieces of the tensors in a state dict (a
+    ShardedTensor's local shards, a DTensor's local tensor)."""
     total, stack = 0, [sd]
     while stack:
         v = stack.pop()
@@ -121,6 +123,8 @@ def tensor_bytes(sd: dict) -> int:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+        elif isinstance(v, ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in v.local_shards())
         elif isinstance(v, torch.Tensor):
             loc = v.to_local() if isinstance(v, DTensor) else v
             total += loc.numel() * loc.element_size()
@@ -225,22 +229,6 @@ def train(model: FSDP, optim: torch.optim.Optimizer, c: ModelConfig, steps: rang
 def sharded(model: FSDP):
     return FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
                                 ShardedStateDictConfig(), ShardedOptimStateDictConfig())
-
-
-def local_bytes(sd: dict) -> int:
-    """Bytes of this rank's pieces of the tensors in a (sharded) state dict."""
-    total, stack = 0, [sd]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, ShardedTensor):
-            total += sum(s.tensor.numel() * s.tensor.element_size() for s in v.local_shards())
-        elif isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-    return total
 
 
 def all_bytes(sd: dict) -> int:
@@ -410,7 +398,7 @@ def fsdp_resume(c: ModelConfig, steps: int, more: int, root: str, say) -> bool:
 def dtensor_save(total: int, mesh, ckpt: str, say) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = state(total, mesh, Shard(0), fill=True)
-    mine = tensor_bytes(sd)
+    mine = local_bytes(sd)
     everyone = [0] * world
     dist.all_gather_object(everyone, mine)
     crc = shardstate.crc_implementation()["crc32"]
@@ -429,7 +417,7 @@ def dtensor_save(total: int, mesh, ckpt: str, say) -> None:
 def dtensor_resume(total: int, mesh, ckpt: str, say) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     sd = state(total, mesh, Shard(1), fill=False)
-    mine = tensor_bytes(sd)
+    mine = local_bytes(sd)
     everyone = [0] * world
     dist.all_gather_object(everyone, mine)
     say(f"DTensor resume: {world} ranks, Shard(1) (saved as Shard(0) by another world size)")
