@@ -17,6 +17,8 @@
  */
 #include "ss_flat.h"
 
+#include "ss_copy.h"
+
 #include <assert.h>
 #include <stdlib.h>
 #include <string.h>
@@ -447,7 +449,7 @@ static void run_task(void *vctx, size_t t)
     for (size_t k = c->task_start[t]; k < c->task_start[t + 1]; k++) {
         const flat_op *o = &c->ops[k];
         if (o->src != NULL)
-            memcpy(o->dst, o->src, o->nbytes);
+            ss_copy(o->dst, o->src, o->nbytes);
         else
             fill(o->dst, o->pattern, o->nbytes, o->itemsize);
     }

@@ -19,6 +19,8 @@
  */
 #include "ss_geom.h"
 
+#include "ss_copy.h"
+
 #include <assert.h>
 #include <stdlib.h>
 #include <string.h>
@@ -621,7 +623,7 @@ static void copy_row(char *d, int64_t ds, const char *s, int64_t ss,
                      int64_t len, size_t elsize)
 {
     if (ds == (int64_t)elsize && ss == (int64_t)elsize) {
-        memcpy(d, s, (size_t)len * elsize);
+        ss_copy(d, s, (size_t)len * elsize);
         return;
     }
 #define SS__LOOP(N)                                                           \
