@@ -114,6 +114,7 @@ typedef struct {
      * small job) this piece's task reads with one preadv; 0 for a piece
      * read by an earlier one's task. Writes: always 1. */
     uint32_t run;
+    size_t item; /* device writes: the piece's ss_stage item, else SIZE_MAX */
 } piece;
 
 typedef struct {
@@ -127,11 +128,19 @@ typedef struct {
     int checksum; /* every job's CRC is computed */
     int verify;   /* read jobs with has_crc get theirs computed and checked */
     int writeback; /* written pieces get their writeback started */
+    ss_stage *stage;       /* for device jobs, once its batch has begun */
+    size_t dsize;          /* device piece size; 0 when there is no stage */
+    ss_stage_item *items;  /* device writes, in piece order */
+    size_t nitems;
     atomic_int failed;
     pthread_mutex_t mu;
     ss_errinfo first;
 } batch;
 
+static int job_dev(const batch *b, size_t j)
+{
+    return b->w != NULL ? b->w[j].dev : b->r[j].dev;
+}
 static uint64_t job_len(const batch *b, size_t j)
 {
     return b->w != NULL ? b->w[j].len : b->r[j].len;
@@ -162,6 +171,8 @@ static void record(batch *b, int rc, const char *op, const char *path,
     }
     pthread_mutex_unlock(&b->mu);
     atomic_store(&b->failed, 1);
+    if (b->stage != NULL) /* wake threads waiting for a copy or a buffer */
+        ss__stage_cancel(b->stage);
 }
 
 static int has_failed(batch *b)
@@ -203,6 +214,7 @@ static int joins_run(const batch *b, size_t k, uint32_t file, int64_t end)
     const piece *pc = &b->pieces[k];
     int64_t start = job_offset(b, pc->job);
     return pc->start == 0 && pc->len == job_len(b, pc->job) &&
+           !job_dev(b, pc->job) &&
            pc->len <= SS_IO_COALESCE_JOB && job_file(b, pc->job) == file &&
            start >= end && (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
 }
@@ -217,7 +229,7 @@ static void coalesce(batch *b, size_t n, size_t psize)
         int64_t end = first + (int64_t)pc->len;
         size_t m = 1;
         if (pc->start == 0 && pc->len == job_len(b, pc->job) &&
-            pc->len <= SS_IO_COALESCE_JOB) {
+            !job_dev(b, pc->job) && pc->len <= SS_IO_COALESCE_JOB) {
             while (k + m < n && m < SS_OS_MAX_IOV / 2 &&
                    joins_run(b, k + m, file, end)) {
                 const piece *nx = &b->pieces[k + m];
@@ -235,6 +247,73 @@ static void coalesce(batch *b, size_t n, size_t psize)
     }
 }
 
+/* Start writeback of a piece just written: only a hint, so a file system
+ * without it is no error, but a write error it reports early (EIO, ENOSPC)
+ * is. */
+static void start_writeback(batch *b, uint32_t file, int64_t off,
+                            uint64_t len, size_t job)
+{
+    if (!b->writeback || len == 0)
+        return;
+    int rc = b->os->writeback(b->os, b->fds[file], off, (int64_t)len);
+    if (rc < 0 && rc != -EINVAL && rc != -ENOSYS && rc != -ESPIPE &&
+        rc != -EOPNOTSUPP && rc != -EINTR)
+        record(b, rc, "writeback", b->paths[file], off, (int64_t)job);
+}
+
+/* A device piece of a write: wait for its staged copy, write it, give the
+ * buffer back (which queues the copy of a later piece into it). */
+static void dev_write(batch *b, size_t i, uint32_t file, int64_t off)
+{
+    const piece *pc = &b->pieces[i];
+    const void *p = NULL;
+    int64_t at = -1;
+    int rc = ss__stage_take(b->stage, pc->item, &p);
+
+    if (rc < 0) {
+        if (rc != SS_ECANCELED) /* else the failure is recorded already */
+            record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
+        return;
+    }
+    if (b->checksum)
+        b->piece_crc[i] = ss_crc32(0, p, pc->len);
+    rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
+    ss__stage_give(b->stage, pc->item);
+    if (rc < 0)
+        record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
+    else
+        start_writeback(b, file, off, pc->len, pc->job);
+}
+
+/* A device piece of a read: read it into a free staging buffer, check it,
+ * queue its copy to the device. */
+static void dev_read(batch *b, size_t i, uint32_t file, int64_t off)
+{
+    const piece *pc = &b->pieces[i];
+    void *p = NULL;
+    size_t slot = 0;
+    int64_t at = -1;
+    int rc = ss__stage_buffer(b->stage, &p, &slot);
+
+    if (rc < 0) {
+        if (rc != SS_ECANCELED)
+            record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
+        return;
+    }
+    rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
+    if (rc < 0) {
+        ss__stage_put(b->stage, slot);
+        record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
+        return;
+    }
+    if (wants_crc(b, pc->job))
+        b->piece_crc[i] = ss_crc32(0, p, pc->len);
+    rc = ss__stage_h2d(b->stage, slot,
+                       (char *)b->r[pc->job].dst + pc->start, (size_t)pc->len);
+    if (rc < 0 && rc != SS_ECANCELED)
+        record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
+}
+
 static void piece_task(void *ctx, size_t i)
 {
     batch *b = ctx;
@@ -245,22 +324,19 @@ static void piece_task(void *ctx, size_t i)
 
     if (has_failed(b))
         return;
-    if (b->w != NULL) {
+    if (pc->item != SIZE_MAX) {
+        dev_write(b, i, file, off);
+    } else if (b->r != NULL && b->r[pc->job].dev) {
+        dev_read(b, i, file, off);
+    } else if (b->w != NULL) {
         const char *p = (const char *)b->w[pc->job].src + pc->start;
         if (b->checksum) /* just before the write: the bytes stay in cache */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
         rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
-        if (rc < 0) {
+        if (rc < 0)
             record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
-        } else if (b->writeback && pc->len > 0) {
-            rc = b->os->writeback(b->os, b->fds[file], off, (int64_t)pc->len);
-            /* only a hint: a file system without it is no error, but a
-             * write error it reports early (EIO, ENOSPC) is */
-            if (rc < 0 && rc != -EINVAL && rc != -ENOSYS && rc != -ESPIPE &&
-                rc != -EOPNOTSUPP && rc != -EINTR)
-                record(b, rc, "writeback", b->paths[file], off,
-                       (int64_t)pc->job);
-        }
+        else
+            start_writeback(b, file, off, pc->len, pc->job);
     } else if (pc->run == 1) {
         char *p = (char *)b->r[pc->job].dst + pc->start;
         rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
@@ -298,6 +374,12 @@ static int validate(batch *b, size_t npaths, size_t njobs)
                      "job needs a file index below %zu, offset >= 0, "
                      "offset + length < 2^63 and a buffer",
                      npaths);
+            return SS_EINVAL;
+        }
+        if (job_dev(b, j) && b->dsize == 0) {
+            record(b, SS_EINVAL, "validate", NULL, off, (int64_t)j);
+            snprintf(b->first.detail, sizeof b->first.detail,
+                     "a device job needs a staging pipeline (opts.stage)");
             return SS_EINVAL;
         }
     }
@@ -367,23 +449,41 @@ out:
  * the total). Zero-length jobs have no pieces. */
 static int make_pieces(batch *b, size_t njobs, size_t psize, size_t **first)
 {
-    size_t n = 0, k = 0;
+    size_t n = 0, k = 0, items = 0;
+    size_t dsize = b->dsize < psize ? b->dsize : psize;
 
     *first = malloc((njobs + 1) * sizeof **first);
     if (*first == NULL)
         return SS_ENOMEM;
-    for (size_t j = 0; j < njobs; j++)
-        n += (size_t)((job_len(b, j) + psize - 1) / psize);
+    for (size_t j = 0; j < njobs; j++) {
+        size_t ps = job_dev(b, j) ? dsize : psize;
+        n += (size_t)((job_len(b, j) + ps - 1) / ps);
+    }
     b->pieces = malloc((n ? n : 1) * sizeof *b->pieces);
     b->piece_crc = calloc(n ? n : 1, sizeof *b->piece_crc);
     if (b->pieces == NULL || b->piece_crc == NULL)
         return SS_ENOMEM;
+    if (b->w != NULL && b->dsize != 0) {
+        b->items = malloc((n ? n : 1) * sizeof *b->items);
+        if (b->items == NULL)
+            return SS_ENOMEM;
+    }
     for (size_t j = 0; j < njobs; j++) {
         uint64_t len = job_len(b, j);
+        int dev = job_dev(b, j);
+        size_t ps = dev ? dsize : psize;
         (*first)[j] = k;
-        for (uint64_t s = 0; s < len; s += psize, k++)
-            b->pieces[k] = (piece){j, s, len - s < psize ? len - s : psize, 1};
+        for (uint64_t s = 0; s < len; s += ps, k++) {
+            uint64_t l = len - s < ps ? len - s : ps;
+            b->pieces[k] = (piece){j, s, l, 1, SIZE_MAX};
+            if (dev && b->w != NULL) {
+                b->items[items] = (ss_stage_item){
+                    (const char *)b->w[j].src + s, (size_t)l};
+                b->pieces[k].item = items++;
+            }
+        }
     }
+    b->nitems = items;
     (*first)[njobs] = k;
     if (b->r != NULL)
         coalesce(b, k, psize);
@@ -397,7 +497,7 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
 {
     const ss_io_opts defaults = SS_IO_OPTS_INIT;
     size_t psize, *first = NULL;
-    int rc = 0;
+    int rc = 0, staged = 0;
     batch b = {0};
 
     if (opts == NULL)
@@ -428,6 +528,10 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     }
     for (size_t f = 0; f < npaths; f++)
         b.fds[f] = -1;
+    for (size_t j = 0; j < njobs && opts->stage != NULL; j++)
+        staged |= job_dev(&b, j);
+    /* a device piece fits one staging buffer */
+    b.dsize = opts->stage != NULL ? ss_stage_bufsize(opts->stage) : 0;
     if (validate(&b, npaths, njobs) < 0)
         goto out;
     if (make_pieces(&b, njobs, psize, &first) < 0) {
@@ -436,7 +540,24 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     }
     if (open_files(&b, npaths, njobs) < 0)
         goto out;
+    if (staged) {
+        rc = w != NULL ? ss__stage_begin_d2h(opts->stage, b.items, b.nitems,
+                                             opts->stream)
+                       : ss__stage_begin_h2d(opts->stage);
+        if (rc < 0) {
+            record(&b, rc, "device copy", NULL, -1, -1);
+            goto out;
+        }
+        b.stage = opts->stage; /* from here on, failures cancel the stage */
+    }
     ss_pool_run(pool, first[njobs], piece_task, &b);
+    if (b.stage != NULL) {
+        /* every copy is done before the batch returns */
+        rc = ss__stage_end(b.stage);
+        b.stage = NULL;
+        if (rc < 0)
+            record(&b, rc, "device copy", NULL, -1, -1);
+    }
     if (w != NULL && opts->fsync)
         ss_pool_run(pool, npaths, fsync_task, &b);
 
@@ -473,6 +594,7 @@ out:
     free(b.fds);
     free(b.pieces);
     free(b.piece_crc);
+    free(b.items);
     free(first);
     return rc;
 }

@@ -21,6 +21,12 @@
  * are closed on every path. A failed fsync fails the batch. After a failed
  * write batch, the files hold unspecified content.
  *
+ * Device buffers: a job marked `dev` is moved between its device buffer and
+ * the file through opts->stage (see ss_stage.h): its pieces are staged in
+ * the stage's pinned buffers, with the copies pipelined with the file
+ * transfers; CRCs are computed on the staged bytes. Device jobs are never
+ * coalesced.
+ *
  * All system calls go through an ss_os vtable (NULL = ss_os_default()), so
  * tests can inject faults. Thread safety: a batch uses only its own state;
  * any number may run at once (on one pool too). The core never prints.
@@ -34,6 +40,7 @@
 #include "ss_error.h"
 #include "ss_os.h"
 #include "ss_pool.h"
+#include "ss_stage.h"
 
 #define SS_IO_PIECE_DEFAULT ((size_t)8 << 20)
 /* Largest transfer asked of one pread/pwrite (Linux caps at ~2 GiB). */
@@ -56,15 +63,21 @@ typedef struct ss_io_opts {
      * later fsync (here or the caller's) finds little left to do; a file
      * system without the call ignores it */
     int writeback;
+    /* Jobs with `dev` set have their buffer in device memory and move
+     * through this staging pipeline (pieces of at most its buffer size);
+     * writes are ordered after `stream`, the caller's (NULL: default). */
+    ss_stage *stage;
+    void *stream;
 } ss_io_opts;
 
-#define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0}
+#define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0, NULL, NULL}
 
 typedef struct ss_io_wjob {
     const void *src;
     uint64_t len;
     uint32_t file;  /* index into paths */
     int64_t offset; /* >= 0 */
+    int dev;        /* src is device memory (needs opts->stage) */
 } ss_io_wjob;
 
 typedef struct ss_io_rjob {
@@ -74,6 +87,7 @@ typedef struct ss_io_rjob {
     int64_t offset;
     uint32_t crc;  /* expected CRC-32, used when has_crc and opts->verify */
     int has_crc;
+    int dev;       /* dst is device memory (needs opts->stage) */
 } ss_io_rjob;
 
 /* Write every job; crcs (njobs entries, may be NULL) receives each job's
