@@ -114,16 +114,16 @@ static void fail_locked(ss_stage *st, int rc)
     pthread_cond_broadcast(&st->cv);
 }
 
+/* Batches take turns: wait for the running one to end. */
 static int begin(ss_stage *st)
 {
-    int rc = 0;
     pthread_mutex_lock(&st->mu);
-    if (st->busy)
-        rc = SS_EINVAL; /* another batch is using this stage */
-    else
-        st->busy = 1, st->failed = 0;
+    while (st->busy)
+        pthread_cond_wait(&st->cv, &st->mu);
+    st->busy = 1;
+    st->failed = 0;
     pthread_mutex_unlock(&st->mu);
-    return rc;
+    return 0;
 }
 
 /* Queue copies for the next items while there are free buffers. */
@@ -166,6 +166,7 @@ int ss__stage_begin_d2h(ss_stage *st, const ss_stage_item *items, size_t n,
         free(st->slot_of);
         st->slot_of = NULL;
         st->busy = 0;
+        pthread_cond_broadcast(&st->cv);
     } else {
         st->items = items;
         st->nitems = n;
@@ -321,6 +322,7 @@ int ss__stage_end(ss_stage *st)
     st->nitems = st->next = 0;
     st->failed = 0;
     st->busy = 0;
+    pthread_cond_broadcast(&st->cv); /* the next batch may begin */
     pthread_mutex_unlock(&st->mu);
     return rc;
 }

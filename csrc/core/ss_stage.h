@@ -16,9 +16,10 @@
  * The pool is made once (ss_stage_new) and kept across batches, so pinned
  * memory is allocated once: nbufs * bufsize bytes in all.
  *
- * Thread safety: one batch at a time per stage (a second, concurrent one
- * fails with SS_EINVAL); within a batch the ss__stage_* calls may come
- * from any number of threads.
+ * Thread safety: batches on one stage take turns (a second one begins
+ * when the first has ended; a thread must not begin a batch while it runs
+ * one); within a batch the ss__stage_* calls may come from any number of
+ * threads.
  */
 #ifndef SS_STAGE_H
 #define SS_STAGE_H
@@ -55,7 +56,7 @@ int ss__stage_begin_d2h(ss_stage *st, const ss_stage_item *items, size_t n,
 int ss__stage_take(ss_stage *st, size_t k, const void **host);
 void ss__stage_give(ss_stage *st, size_t k);
 
-/* Start a read batch (SS_EINVAL while another one runs). */
+/* Start a read batch (after the running one, if any, has ended). */
 int ss__stage_begin_h2d(ss_stage *st);
 /* A free buffer (its last copy done) in *host, its slot in *slot. */
 int ss__stage_buffer(ss_stage *st, void **host, size_t *slot);

@@ -420,6 +420,47 @@ static int piece_arg(PyObject *obj, size_t *out)
     return 0;
 }
 
+/* device argument: None, or one truth value per job (its buffer is device
+ * memory of the stage's backend; the "host" backend's is host memory, taken
+ * through the buffer protocol like any other). */
+static int dev_flags_arg(PyObject *obj, Py_ssize_t njobs, ss_stage *stage,
+                         char **out)
+{
+    PyObject *seq = NULL;
+    int rc = -1;
+
+    *out = PyMem_Calloc((size_t)njobs + 1, 1);
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (obj == Py_None)
+        return 0;
+    seq = PySequence_Fast(obj, "device must be a sequence of bools or None");
+    if (seq == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != njobs) {
+        PyErr_Format(PyExc_ValueError, "device has %zd entries for %zd jobs",
+                     PySequence_Fast_GET_SIZE(seq), njobs);
+        goto out;
+    }
+    for (Py_ssize_t j = 0; j < njobs; j++) {
+        int v = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, j));
+        if (v < 0)
+            goto out;
+        if (v && stage == NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "device[%zd] is set but no stage was given", j);
+            goto out;
+        }
+        (*out)[j] = (char)v;
+    }
+    rc = 0;
+out:
+    Py_DECREF(seq);
+    return rc;
+}
+
 /* ---- entry points ------------------------------------------------------- */
 
 static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
@@ -430,18 +471,21 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     ss_io_opts o = SS_IO_OPTS_INIT;
     ss_io_wjob *jobs = NULL;
     uint32_t *crcs = NULL;
+    char *dev = NULL;
     const ss_os *os = NULL;
     ss_pool *pool = NULL;
     ss_errinfo info;
     PyObject *result = NULL;
     int rc;
 
-    if (check_nargs("write_batch", nargs, 10) < 0 || get_batch(args, 0, &a) < 0 ||
+    if (check_nargs("write_batch", nargs, 12) < 0 || get_batch(args, 0, &a) < 0 ||
         ss_py_pool_arg(st, args[4], &pool) < 0 ||
         (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
         piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0 ||
-        (o.writeback = PyObject_IsTrue(args[9])) < 0)
+        (o.writeback = PyObject_IsTrue(args[9])) < 0 ||
+        ss_py_stage_arg(st, args[10], &o.stage) < 0 ||
+        dev_flags_arg(args[11], a.njobs, o.stage, &dev) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -451,7 +495,7 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     }
     for (Py_ssize_t j = 0; j < a.njobs; j++)
         jobs[j] = (ss_io_wjob){a.views[j].buf, (uint64_t)a.views[j].len,
-                               (uint32_t)a.file_idx[j], a.offsets[j]};
+                               (uint32_t)a.file_idx[j], a.offsets[j], dev[j]};
     Py_BEGIN_ALLOW_THREADS
     rc = ss_io_write(os, pool, a.paths, (size_t)a.npaths, jobs,
                      (size_t)a.njobs, &o, crcs, &info);
@@ -463,6 +507,7 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
 out:
     PyMem_Free(jobs);
     PyMem_Free(crcs);
+    PyMem_Free(dev);
     args_release(&a);
     return result;
 }
@@ -475,17 +520,20 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
     ss_io_opts o = SS_IO_OPTS_INIT;
     ss_io_rjob *jobs = NULL;
     uint32_t *crcs = NULL;
+    char *dev = NULL;
     const ss_os *os = NULL;
     ss_pool *pool = NULL;
     PyObject *expected = NULL, *result = NULL;
     ss_errinfo info;
     int rc;
 
-    if (check_nargs("read_batch", nargs, 10) < 0 ||
+    if (check_nargs("read_batch", nargs, 12) < 0 ||
         get_batch(args, 1, &a) < 0 || ss_py_pool_arg(st, args[5], &pool) < 0 ||
         (o.verify = PyObject_IsTrue(args[6])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[7])) < 0 ||
-        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0)
+        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0 ||
+        ss_py_stage_arg(st, args[10], &o.stage) < 0 ||
+        dev_flags_arg(args[11], a.njobs, o.stage, &dev) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -495,7 +543,8 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
     }
     for (Py_ssize_t j = 0; j < a.njobs; j++)
         jobs[j] = (ss_io_rjob){a.views[j].buf, (uint64_t)a.views[j].len,
-                               (uint32_t)a.file_idx[j], a.offsets[j], 0, 0};
+                               (uint32_t)a.file_idx[j], a.offsets[j], 0, 0,
+                               dev[j]};
     if (args[4] != Py_None) { /* expected CRCs: ints, or None to skip one */
         expected = PySequence_Fast(args[4], "crcs must be a sequence or None");
         if (expected == NULL)
@@ -537,6 +586,7 @@ out:
     Py_XDECREF(expected);
     PyMem_Free(jobs);
     PyMem_Free(crcs);
+    PyMem_Free(dev);
     args_release(&a);
     return result;
 }
@@ -632,18 +682,20 @@ static PyObject *py_raw_pread(PyObject *m, PyObject *const *args,
 static PyMethodDef io_methods[] = {
     {"write_batch", (PyCFunction)(void (*)(void))py_write_batch, METH_FASTCALL,
      "write_batch(paths, file_idx, offsets, buffers, pool, fsync, checksum, "
-     "piece, faults, writeback)\n--\n\n"
+     "piece, faults, writeback, stage, device)\n--\n\n"
      "Write buffers[j] at offsets[j] of paths[file_idx[j]] (files are "
      "created or truncated), with the GIL released. Returns the CRC-32 of "
      "each job (0s when checksum is false). piece 0 = default. writeback: "
-     "start each written piece's writeback at once."},
+     "start each written piece's writeback at once. device: None or a bool "
+     "per job; a device job's buffer is staged through stage."},
     {"read_batch", (PyCFunction)(void (*)(void))py_read_batch, METH_FASTCALL,
      "read_batch(paths, file_idx, offsets, buffers, crcs, pool, verify, "
-     "checksum, piece, faults)\n--\n\n"
+     "checksum, piece, faults, stage, device)\n--\n\n"
      "Read len(buffers[j]) bytes at offsets[j] of paths[file_idx[j]] into "
      "the writable buffers[j], with the GIL released. crcs is None or one "
      "int-or-None per job, checked when verify is true. Returns each job's "
-     "CRC-32 (0 for jobs neither checksummed nor verified)."},
+     "CRC-32 (0 for jobs neither checksummed nor verified). device: None or "
+     "a bool per job; a device job's buffer is staged through stage."},
     {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
      "publish(path, data, fsync, faults)\n--\n\n"
      "Atomically replace path with data (temp file, fsync, rename, fsync "

@@ -22,6 +22,7 @@ typedef struct {
     PyTypeObject *GeomIndex_type;
     PyTypeObject *FaultInjector_type;
     PyTypeObject *FlatLayout_type;
+    PyTypeObject *Stage_type;
 } ss_state;
 
 extern PyModuleDef ss_module_def;
@@ -47,6 +48,10 @@ PyObject *ss_py_raise(ss_state *st, int rc, const ss_errinfo *info);
  * Returns 0, or -1 with TypeError set. */
 int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out);
 
+/* obj is None or a Stage: store its ss_stage* (NULL for None) in *out. */
+struct ss_stage;
+int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out);
+
 /* Per-concern initialisers, called by the exec slot in this order. */
 int ss_py_errors_init(PyObject *m, ss_state *st);
 int ss_py_pool_init(PyObject *m, ss_state *st);
@@ -54,5 +59,6 @@ int ss_py_crc_init(PyObject *m, ss_state *st);
 int ss_py_io_init(PyObject *m, ss_state *st);
 int ss_py_geom_init(PyObject *m, ss_state *st);
 int ss_py_flat_init(PyObject *m, ss_state *st);
+int ss_py_stage_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */

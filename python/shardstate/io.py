@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
-from ._core import FaultInjector, ThreadPool
+from ._core import FaultInjector, Stage, ThreadPool
 
 if TYPE_CHECKING:
     from collections.abc import Buffer  # Python 3.12+
@@ -27,16 +27,19 @@ else:
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
-__all__ = ["FaultInjector", "ReadJob", "WriteJob", "atomic_publish", "read", "write"]
+__all__ = ["FaultInjector", "ReadJob", "Stage", "WriteJob", "atomic_publish", "read", "write"]
 
 
 @dataclass(frozen=True)
 class WriteJob:
-    """Write ``data`` (any C-contiguous buffer) at ``offset`` of ``path``."""
+    """Write ``data`` (any C-contiguous buffer) at ``offset`` of ``path``.
+    With ``device``, ``data`` is device memory of the batch's ``stage``
+    backend and is staged through its buffers."""
 
     path: PathLike
     offset: int
     data: Buffer
+    device: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ReadJob:
     offset: int
     out: Buffer
     crc: int | None = None
+    device: bool = False
 
 
 _pools: dict[int, ThreadPool] = {}
@@ -123,6 +127,7 @@ def write(
     fsync: bool = False,
     checksum: bool = True,
     writeback: bool = False,
+    stage: Stage | None = None,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
@@ -133,7 +138,9 @@ def write(
     ``writeback`` each piece's writeback to disk starts as soon as it is
     written (Linux sync_file_range), overlapping the disk with the rest of
     the batch so a later fsync has little left to wait for. Jobs in one
-    file must not overlap. Raises ShardstateIOError (an OSError with errno
+    file must not overlap. Jobs marked ``device`` go through ``stage``: their
+    pieces are copied into its buffers (copies running ahead of the writes)
+    and written from there. Raises ShardstateIOError (an OSError with errno
     and filename) on a system failure; the files are then left in an
     unspecified state."""
     jobs = list(jobs)
@@ -149,6 +156,8 @@ def write(
         _piece,
         _faults,
         bool(writeback),
+        stage,
+        _device_flags(jobs),
     )
 
 
@@ -159,6 +168,7 @@ def read(
     threads: int | None = None,
     verify: bool = True,
     checksum: bool = True,
+    stage: Stage | None = None,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
@@ -167,7 +177,9 @@ def read(
     ChecksumError (with ``path``, ``offset`` and ``job`` attributes). With
     ``checksum=False`` only verified jobs are checksummed; the others report
     0. A job reaching past the end of its file raises ShardstateError
-    before anything is read."""
+    before anything is read. Jobs marked ``device`` are read into ``stage``'s
+    buffers, checked there, and copied to their ``out``; the call returns
+    once every copy is done."""
     jobs = list(jobs)
     paths, idx = _file_table(job.path for job in jobs)
     crcs = [job.crc for job in jobs]
@@ -182,7 +194,14 @@ def read(
         bool(checksum),
         _piece,
         _faults,
+        stage,
+        _device_flags(jobs),
     )
+
+
+def _device_flags(jobs: Sequence[WriteJob] | Sequence[ReadJob]) -> list[bool] | None:
+    flags = [bool(job.device) for job in jobs]
+    return flags if any(flags) else None
 
 
 def atomic_publish(

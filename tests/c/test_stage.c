@@ -15,6 +15,7 @@
 #include "ss_test.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -217,18 +218,76 @@ static void test_validation(void)
     CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), 0, BUF), SS_EINVAL);
     CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), 2, 100), SS_EINVAL);
     CHECK_EQ_INT(ss_stage_new(&st, NULL, 2, BUF), SS_EINVAL);
-    /* one batch at a time */
+    /* an item larger than a buffer */
     CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), 2, BUF), 0);
-    CHECK_EQ_INT(ss__stage_begin_h2d(st), 0);
-    CHECK_EQ_INT(ss__stage_begin_h2d(st), SS_EINVAL);
     ss_stage_item big = {src[0], BUF + 1};
     CHECK_EQ_INT(ss__stage_begin_d2h(st, &big, 1, NULL), SS_EINVAL);
-    CHECK_EQ_INT(ss__stage_end(st), 0);
-    CHECK_EQ_INT(ss__stage_begin_d2h(st, &big, 1, NULL), SS_EINVAL); /* too big */
     CHECK_EQ_INT(ss__stage_begin_h2d(st), 0); /* and no batch was left open */
     CHECK_EQ_INT(ss__stage_end(st), 0);
     ss_stage_free(st);
     ss_stage_free(NULL);
+    ss_devhost_free(h);
+}
+
+/* Batches from several threads on one stage take turns; each is right. */
+typedef struct {
+    ss_stage *st;
+    int id, ok;
+} conc_arg;
+
+static void *conc_main(void *v)
+{
+    conc_arg *a = v;
+    ss_io_wjob w[NJOBS];
+    ss_io_rjob r[NJOBS];
+    uint32_t crc[NJOBS], back[NJOBS];
+    unsigned char *buf[NJOBS];
+    char pb[NFILES][160];
+    const char *ps[NFILES];
+    ss_errinfo e;
+    ss_io_opts o = opts_for(a->st);
+    a->ok = 1;
+    for (int i = 0; i < NFILES; i++) {
+        snprintf(pb[i], sizeof pb[i], "%s/t%d_%d", dir, a->id, i);
+        ps[i] = pb[i];
+    }
+    for (int round = 0; round < 4; round++) {
+        wjobs_of(w, (1 << NJOBS) - 1);
+        a->ok &= ss_io_write(NULL, NULL, ps, NFILES, w, NJOBS, &o, crc, &e) == 0;
+        for (int j = 0; j < NJOBS; j++) {
+            buf[j] = malloc(lens[j] + 1);
+            r[j] = (ss_io_rjob){buf[j], lens[j], (uint32_t)(j % NFILES), offs[j],
+                                crc[j], 1, 1};
+        }
+        a->ok &= ss_io_read(NULL, NULL, ps, NFILES, r, NJOBS, &o, back, &e) == 0;
+        for (int j = 0; j < NJOBS; j++) {
+            a->ok &= memcmp(buf[j], src[j], lens[j]) == 0;
+            free(buf[j]);
+        }
+    }
+    for (int i = 0; i < NFILES; i++)
+        unlink(ps[i]);
+    return NULL;
+}
+
+static void test_concurrent_batches(void)
+{
+    ss_devhost *h = NULL;
+    ss_stage *st = NULL;
+    pthread_t t[3];
+    conc_arg args[3];
+    CHECK_EQ_INT(ss_devhost_new(&h), 0);
+    ss_devhost_set_delay(h, 20);
+    CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), 2, BUF), 0);
+    for (int i = 0; i < 3; i++) {
+        args[i] = (conc_arg){st, i, 0};
+        pthread_create(&t[i], NULL, conc_main, &args[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        pthread_join(t[i], NULL);
+        CHECK(args[i].ok);
+    }
+    ss_stage_free(st);
     ss_devhost_free(h);
 }
 
@@ -246,6 +305,7 @@ int main(void)
     RUN(test_copy_ahead);
     RUN(test_failures);
     RUN(test_validation);
+    RUN(test_concurrent_batches);
     for (int i = 0; i < NFILES; i++)
         unlink(paths[i]);
     rmdir(dir);
