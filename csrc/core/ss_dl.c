@@ -94,12 +94,14 @@ static const char *open_error(const char *cand, const char *err)
 static int try_one(const ss_dl_spec *spec, const char *cand,
                    const ss_dl_lib **out, text *why, int *not_found)
 {
-    void *h;
+    void *h, *p;
     ss_dl_lib *lib = NULL;
+    const ss_dl_lib *l;
     char file[SS_DL_PATH_MAX];
     char check_why[256];
+    const char *arrow, *shown;
     size_t i, missing = 0;
-    int rc;
+    int rc = SS_ENOTAVAIL;
 
     *not_found = 0;
     (void)dlerror();
@@ -111,41 +113,41 @@ static int try_one(const ss_dl_spec *spec, const char *cand,
             text_add(why, "%s", cand);
         else
             text_add(why, "%s (%s)", cand, e);
-        return SS_ENOTAVAIL;
+        goto out;
     }
-    for (const ss_dl_lib *l = registry; l != NULL; l = l->next) {
+    for (l = registry; l != NULL; l = l->next) {
         if (l->handle == h && l->spec == (const void *)spec) {
-            dlclose(h); /* drop the reference this call took */
-            *out = l;
-            return 0;
+            *out = l; /* out: drops the reference this dlopen took */
+            rc = 0;
+            goto out;
         }
     }
     loaded_path(h, cand, file, sizeof file);
+    /* Name the file behind a soname or symlink too. */
+    arrow = strcmp(cand, file) != 0 ? " => " : "";
+    shown = strcmp(cand, file) != 0 ? file : "";
     lib = calloc(1, spec->table_size);
     if (lib == NULL) {
         rc = SS_ENOMEM;
         goto out;
     }
     for (i = 0; i < spec->nsyms; i++) {
-        void *p;
-        (void)dlerror();
         p = dlsym(h, spec->syms[i].name);
-        if (p == NULL) {
-            if (missing == 0)
-                text_add(why, "%s%s%s (missing symbol %s", cand,
-                         strcmp(cand, file) != 0 ? " => " : "",
-                         strcmp(cand, file) != 0 ? file : "",
-                         spec->syms[i].name);
-            else
-                text_add(why, ", %s", spec->syms[i].name);
-            missing++;
-            continue;
-        }
         /* POSIX guarantees a data pointer from dlsym converts to a function
-         * pointer; the member is a function pointer of the same size. */
+         * pointer; the member is a function pointer of the same size. A
+         * missing symbol leaves the member NULL (calloc). */
         memcpy((char *)lib + spec->syms[i].offset, &p, sizeof p);
+        missing += p == NULL;
     }
     if (missing > 0) {
+        text_add(why, "%s%s%s (missing symbol%s", cand, arrow, shown,
+                 missing > 1 ? "s" : "");
+        for (i = 0, missing = 0; i < spec->nsyms; i++) {
+            memcpy(&p, (char *)lib + spec->syms[i].offset, sizeof p);
+            if (p == NULL)
+                text_add(why, "%s%s", missing++ == 0 ? " " : ", ",
+                         spec->syms[i].name);
+        }
         text_add(why, ")");
         rc = SS_ENOTAVAIL;
         goto out;
@@ -154,9 +156,7 @@ static int try_one(const ss_dl_spec *spec, const char *cand,
     if (spec->check != NULL) {
         rc = spec->check(lib, check_why, sizeof check_why);
         if (rc < 0) {
-            text_add(why, "%s%s%s (%s)", cand,
-                     strcmp(cand, file) != 0 ? " => " : "",
-                     strcmp(cand, file) != 0 ? file : "",
+            text_add(why, "%s%s%s (%s)", cand, arrow, shown,
                      check_why[0] ? check_why : "rejected");
             goto out;
         }
@@ -168,7 +168,7 @@ static int try_one(const ss_dl_spec *spec, const char *cand,
     registry = lib;
     *out = lib;
     lib = NULL;
-    h = NULL;
+    h = NULL; /* kept open for the life of the process */
     rc = 0;
 out:
     free(lib);

@@ -200,7 +200,7 @@ static void test_missing_symbol_named(void)
     const char *n[] = {fake("cudart_ok")};
     ss_nccl_status ns;
     CHECK_EQ_INT(ss_nccl_probe(n, 1, &ns), SS_ENOTAVAIL);
-    CHECK(contains(ns.reason, "missing symbol ncclGetVersion, ncclGetUniqueId, "));
+    CHECK(contains(ns.reason, "missing symbols ncclGetVersion, ncclGetUniqueId, "));
     CHECK(contains(ns.reason, "ncclRecv)"));
 }
 
