@@ -43,6 +43,32 @@ build/ctest/%: tests/c/%.c $(CORE_SRC) $(wildcard csrc/core/*.h) tests/c/ss_test
 	$(CC) $(CFLAGS_C) -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 	    -o $@ $< $(CORE_SRC) -ldl
 
+# Stand-in libcudart / libnccl for test_cuda: tiny shared objects that
+# export the symbols the loaders resolve, each variant compiled with its own
+# version or omission (see tests/c/fake_*.c). Plain cc, no sanitizers, no
+# CUDA headers (the ctest build covers the header-less declarations; setup.py
+# covers the header checks when a toolkit is found).
+FAKE_DIR  := build/ctest/fakes
+FAKE_LIBS := $(addprefix $(FAKE_DIR)/libfake_,cudart_ok.so cudart_old.so cudart_nosym.so \
+             cudart_nodev.so nccl_ok.so nccl_old.so nccl_oldenc.so nccl_nosym.so)
+FAKE_cudart_old    := -DFAKE_RUNTIME_VERSION=10020
+FAKE_cudart_nosym  := -DFAKE_OMIT_EVENT_QUERY
+FAKE_cudart_nodev  := -DFAKE_DEVICE_ERROR=100
+FAKE_nccl_old      := -DFAKE_NCCL_VERSION=21105
+FAKE_nccl_oldenc   := -DFAKE_NCCL_VERSION=2804
+FAKE_nccl_nosym    := -DFAKE_OMIT_SEND
+
+$(FAKE_DIR)/libfake_cudart_%.so: tests/c/fake_cudart.c
+	@mkdir -p $(FAKE_DIR)
+	$(CC) -std=c11 -shared -fPIC -O1 $(FAKE_cudart_$*) -o $@ $<
+
+$(FAKE_DIR)/libfake_nccl_%.so: tests/c/fake_nccl.c
+	@mkdir -p $(FAKE_DIR)
+	$(CC) -std=c11 -shared -fPIC -O1 $(FAKE_nccl_$*) -o $@ $<
+
+build/ctest/test_cuda: $(FAKE_LIBS)
+build/ctest/test_cuda: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
+
 ctest: $(CTESTS)
 	@set -e; p=0; f=0; for t in $(CTESTS); do \
 	    out=$$($$t) || st=1; echo "$$out"; \

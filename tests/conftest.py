@@ -2,3 +2,32 @@
 # fixture). Installed copies register it through the pytest11 entry point;
 # here the package is used from the source tree, so load it by name.
 pytest_plugins = ["shardstate.testing"]
+
+
+def _gpu_present() -> tuple[bool, str]:
+    """Whether shardstate sees a CUDA device, asked in a child process so
+    that this one never initialises the CUDA driver."""
+    import subprocess
+    import sys
+
+    code = "import shardstate.cuda as c; s = c.status().cuda; print(int(s.available)); print(s.reason)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    if out.returncode != 0 or not lines:
+        return False, f"CUDA probe failed: {out.stderr.strip()[-300:]}"
+    return lines[0] == "1", "\n".join(lines[1:])
+
+
+def pytest_collection_modifyitems(config, items):
+    # Tests marked gpu are skipped where no GPU is present; nothing else is.
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import pytest
+
+    present, reason = _gpu_present()
+    if present:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)
