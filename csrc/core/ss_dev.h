@@ -46,6 +46,9 @@ struct ss_dev {
     /* Wait until every copy queued before the event's last record is done
      * (at once for an event never recorded). */
     int (*sync)(const ss_dev *dev, void *event);
+    /* Text of the backend's last failure (SS_EDEVICE), e.g. the runtime's
+     * error string; "" if none. May be NULL. */
+    void (*describe)(const ss_dev *dev, char *buf, size_t len);
 };
 
 #endif /* SS_DEV_H */

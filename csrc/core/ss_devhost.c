@@ -228,7 +228,7 @@ int ss_devhost_new(ss_devhost **out)
         return SS_ENOMEM;
     h->dev = (ss_dev){h,           "host",     host_alloc, host_free,
                       stream_new,  stream_free, stream_after, event_new,
-                      event_free,  copy,       record,     sync_event};
+                      event_free,  copy,       record,     sync_event, NULL};
     *out = h;
     return 0;
 }

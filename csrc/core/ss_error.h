@@ -25,7 +25,8 @@
     X(SS_ECANCELED, -1006, "canceled after another job failed")               \
     X(SS_ENOTAVAIL, -1007, "feature or library not available")               \
     X(SS_EINTERNAL, -1008, "internal error")                                  \
-    X(SS_ESHORT,    -1009, "unexpected end of file")
+    X(SS_ESHORT,    -1009, "unexpected end of file")                         \
+    X(SS_EDEVICE,   -1010, "a device (CUDA) runtime call failed")
 
 enum {
 #define SS__ENUM(name, value, msg) name = value,

@@ -558,6 +558,8 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
         if (rc < 0)
             record(&b, rc, "device copy", NULL, -1, -1);
     }
+    if (b.first.code == SS_EDEVICE && b.first.detail[0] == '\0')
+        ss_stage_describe(opts->stage, b.first.detail, sizeof b.first.detail);
     if (w != NULL && opts->fsync)
         ss_pool_run(pool, npaths, fsync_task, &b);
 

@@ -105,6 +105,15 @@ size_t ss_stage_nbufs(const ss_stage *st)
     return st->nbufs;
 }
 
+void ss_stage_describe(const ss_stage *st, char *buf, size_t len)
+{
+    if (len == 0)
+        return;
+    buf[0] = '\0';
+    if (st->dev->describe != NULL)
+        st->dev->describe(st->dev, buf, len);
+}
+
 /* ---- batches ------------------------------------------------------------ */
 
 static void fail_locked(ss_stage *st, int rc)

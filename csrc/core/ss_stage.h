@@ -36,6 +36,8 @@ int ss_stage_new(ss_stage **out, const ss_dev *dev, size_t nbufs,
 void ss_stage_free(ss_stage *st); /* NULL is a no-op; not during a batch */
 size_t ss_stage_bufsize(const ss_stage *st);
 size_t ss_stage_nbufs(const ss_stage *st);
+/* The backend's text for its last failure (SS_EDEVICE), or "". */
+void ss_stage_describe(const ss_stage *st, char *buf, size_t len);
 
 /* ---- the batch protocol (for ss_io) ---- */
 

@@ -26,6 +26,8 @@
 #define API __attribute__((visibility("default")))
 
 static int current_device;
+static long copies, fail_at, kinds[3], waits; /* see fake_cuda_* below */
+static int fail_code;
 
 API int cudaRuntimeGetVersion(int *v) { *v = FAKE_RUNTIME_VERSION; return 0; }
 API int cudaDriverGetVersion(int *v) { *v = FAKE_DRIVER_VERSION; return 0; }
@@ -56,6 +58,7 @@ API const char *cudaGetErrorString(int e)
     case 35: return "CUDA driver version is insufficient for CUDA runtime version";
     case 100: return "no CUDA-capable device is detected";
     case 101: return "invalid device ordinal";
+    case 700: return "an illegal memory access was encountered";
     default: return "unrecognized error code";
     }
 }
@@ -74,7 +77,7 @@ static int fake_handle;
 API int cudaStreamCreateWithFlags(void **s, unsigned f) { (void)f; *s = &fake_handle; return 0; }
 API int cudaStreamDestroy(void *s) { (void)s; return 0; }
 API int cudaStreamSynchronize(void *s) { (void)s; return 0; }
-API int cudaStreamWaitEvent(void *s, void *e, unsigned f) { (void)s; (void)e; (void)f; return 0; }
+API int cudaStreamWaitEvent(void *s, void *e, unsigned f) { (void)s; (void)e; (void)f; waits++; return 0; }
 API int cudaEventCreateWithFlags(void **e, unsigned f) { (void)f; *e = &fake_handle; return 0; }
 API int cudaEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
 API int cudaEventSynchronize(void *e) { (void)e; return 0; }
@@ -83,10 +86,22 @@ API int cudaEventQuery(void *e) { (void)e; return 0; }
 #endif
 API int cudaEventDestroy(void *e) { (void)e; return 0; }
 
+/* Test knobs and counters for the staging backend's tests (test_devcuda),
+ * found with dlsym on the loaded library. */
+API void fake_cuda_fail_copy_at(long k, int code) { fail_at = k ? copies + k : 0; fail_code = code; }
+API long fake_cuda_copies(int kind) { return kind < 0 ? copies : kinds[kind % 3]; }
+API long fake_cuda_waits(void) { return waits; }
+
 API int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *s)
 {
-    (void)kind;
     (void)s;
+    if (fail_at != 0 && copies + 1 == fail_at) {
+        fail_at = 0;
+        return fail_code;
+    }
+    copies++;
+    if (kind >= 0 && kind < 3)
+        kinds[kind]++;
     memmove(dst, src, n);
     return 0;
 }
