@@ -131,6 +131,8 @@ def test_batches_from_several_threads_take_turns(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="backend"):
         Stage("cuda-nope", 2, 4096)
+    with pytest.raises(ValueError, match="device"):
+        Stage("host", 2, 4096, device=-1)
     with pytest.raises(ValueError, match="buffers"):
         Stage("host", 0, 4096)
     with pytest.raises(ValueError, match="buffers"):
@@ -142,8 +144,95 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="no stage"):
         sio.write([WriteJob(p, 0, b"abc", device=True)])
     with pytest.raises(ValueError, match="entries"):
-        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, s, [True, False])
+        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, s, [True, False], None)
     with pytest.raises(TypeError, match="Stage"):
-        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, 5, [True])
+        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, 5, [True], None)
     with pytest.raises(TypeError, match="Stage"):
         sio.read([ReadJob(p, 0, bytearray(1), device=True)], stage=os)
+
+
+# ---- the CUDA backend, on the stand-in libcudart (tests/c/fake_cudart.c) ----
+# Its "device" memory is host memory and cudaMemcpyAsync is memmove, so the
+# CUDA backend's calls, the __cuda_array_interface__ intake and the errors
+# are exercised without a GPU. The real runtime runs in benchmarks/gpu_check.sh.
+
+
+class _FakeCudaArray:
+    """A host array presented as device memory, the way torch presents a CUDA tensor."""
+
+    def __init__(self, a: np.ndarray, readonly: bool = False, strides=None) -> None:
+        self.a = a
+        self.__cuda_array_interface__ = {
+            "shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, readonly),
+            "strides": strides, "version": 3,
+        }
+
+
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory) -> str:
+    import shutil
+    import subprocess
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc is not None
+    so = tmp_path_factory.mktemp("fakecuda") / "libfake_cudart_stage.so"
+    src = os.path.join(os.path.dirname(__file__), "c", "fake_cudart.c")
+    subprocess.run([cc, "-std=c11", "-shared", "-fPIC", "-O1", "-o", str(so), src], check=True)
+    return str(so)
+
+
+def test_cuda_stage_moves_cuda_array_interface_buffers(tmp_path, fake_cudart):
+    stage = Stage("cuda", 2, 8192, device=1, candidates=[fake_cudart])
+    assert (stage.backend, stage.device, stage.copies) == ("cuda", 1, -1)
+    data = _payloads(2)
+    data.append(np.arange(3000, dtype=np.float32).reshape(30, 100))
+    plain = sio.write([WriteJob(tmp_path / "plain", 0, a) for a in data[:1]] +
+                      [WriteJob(tmp_path / f"p{i}", 0, a) for i, a in enumerate(data)])[1:]
+    got = sio.write([WriteJob(tmp_path / f"d{i}", 0, _FakeCudaArray(a, readonly=True), device=True)
+                     for i, a in enumerate(data)], stage=stage, stream=7, threads=3)
+    assert got == plain
+    for i in range(len(data)):
+        assert (tmp_path / f"d{i}").read_bytes() == (tmp_path / f"p{i}").read_bytes()
+    outs = [np.zeros_like(a) for a in data]
+    back = sio.read([ReadJob(tmp_path / f"d{i}", 0, _FakeCudaArray(o), crc=c, device=True)
+                     for i, (o, c) in enumerate(zip(outs, plain))], stage=stage, threads=3)
+    assert back == plain
+    for a, o in zip(data, outs):
+        np.testing.assert_array_equal(a, o)
+
+
+def test_cuda_stage_refuses_bad_device_buffers(tmp_path, fake_cudart):
+    stage = Stage("cuda", 2, 8192, candidates=[fake_cudart])
+    a = np.arange(64, dtype=np.int64).reshape(8, 8)
+    p = tmp_path / "f"
+    (crc,) = sio.write([WriteJob(p, 0, _FakeCudaArray(a), device=True)], stage=stage)
+    with pytest.raises(BufferError, match="writable"):
+        sio.read([ReadJob(p, 0, _FakeCudaArray(np.empty_like(a), readonly=True), device=True)],
+                 stage=stage)
+    with pytest.raises(BufferError, match="C-contiguous"):
+        sio.write([WriteJob(p, 0, _FakeCudaArray(a, strides=(8, 64)), device=True)], stage=stage)
+    # explicit C-contiguous strides are fine
+    sio.write([WriteJob(p, 0, _FakeCudaArray(a, strides=(64, 8)), device=True)], stage=stage)
+    with pytest.raises(TypeError, match="__cuda_array_interface__"):
+        sio.write([WriteJob(p, 0, a, device=True)], stage=stage)
+    bad = _FakeCudaArray(a)
+    bad.__cuda_array_interface__ = dict(bad.__cuda_array_interface__, typestr="f8")
+    with pytest.raises(ValueError, match="malformed"):
+        sio.write([WriteJob(p, 0, bad, device=True)], stage=stage)
+    null = _FakeCudaArray(a)
+    null.__cuda_array_interface__ = dict(null.__cuda_array_interface__, data=(0, False))
+    with pytest.raises(ValueError, match="NULL"):
+        sio.write([WriteJob(p, 0, null, device=True)], stage=stage)
+    # host buffers beside device ones in one batch still go the plain way
+    out_dev, out_host = np.zeros_like(a), np.zeros_like(a)
+    sio.read([ReadJob(p, 0, _FakeCudaArray(out_dev), crc=crc, device=True),
+              ReadJob(p, 0, out_host, crc=crc)], stage=stage)
+    np.testing.assert_array_equal(out_dev, a)
+    np.testing.assert_array_equal(out_host, a)
+
+
+def test_cuda_stage_unavailable_is_a_clear_error(tmp_path, fake_cudart):
+    with pytest.raises(shardstate.ShardstateError, match="libcudart not found"):
+        Stage("cuda", 2, 8192, candidates=[str(tmp_path / "libcudart.so.99")])
+    with pytest.raises(shardstate.ShardstateError, match="cudaSetDevice: invalid device ordinal"):
+        Stage("cuda", 2, 8192, device=5, candidates=[fake_cudart])

@@ -167,7 +167,8 @@ static void describe(const ss_dev *dev, char *buf, size_t len)
     pthread_mutex_unlock(&d->mu);
 }
 
-int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device)
+int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device,
+                   ss_errinfo *err)
 {
     ss_devcuda *d;
     int rc;
@@ -192,6 +193,7 @@ int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device)
         d->order = (ss_cudaEvent_t)ev;
     }
     if (rc < 0) {
+        ss_errinfo_set(err, rc, "cuda device", NULL, -1, "%s", d->last);
         ss_devcuda_free(d);
         return rc;
     }

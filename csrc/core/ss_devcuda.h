@@ -18,10 +18,14 @@
 
 #include "ss_cuda.h"
 #include "ss_dev.h"
+#include "ss_error.h"
 
 typedef struct ss_devcuda ss_devcuda;
 
-int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device);
+/* The device must exist; on failure the runtime's message is in
+ * err->detail (err may be NULL). */
+int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device,
+                   ss_errinfo *err);
 void ss_devcuda_free(ss_devcuda *d); /* NULL is a no-op */
 const ss_dev *ss_devcuda_dev(ss_devcuda *d);
 

@@ -211,7 +211,8 @@ typedef struct {
     PyObject **fspaths;   /* bytes from PyUnicode_FSConverter */
     const char **paths;
     int64_t *file_idx, *offsets;
-    Py_buffer *views;
+    Py_buffer *views;  /* a CUDA job's holds its pointer and length only */
+    PyObject *devrefs; /* list keeping CUDA jobs' objects alive, or NULL */
 } batch_args;
 
 static void args_release(batch_args *a)
@@ -225,6 +226,7 @@ static void args_release(batch_args *a)
     PyMem_Free(a->paths);
     PyMem_Free(a->file_idx);
     PyMem_Free(a->offsets);
+    Py_XDECREF(a->devrefs);
 }
 
 static int get_paths(PyObject *obj, batch_args *a)
@@ -312,8 +314,124 @@ out:
     return rc;
 }
 
-/* Hold a C-contiguous (and, if writable, writable) view of every buffer. */
-static int get_views(PyObject *obj, int writable, batch_args *a)
+/* Bytes per item of a __cuda_array_interface__ typestr ("<f4", "|b1"). */
+static Py_ssize_t typestr_itemsize(PyObject *t)
+{
+    const char *s = PyUnicode_Check(t) ? PyUnicode_AsUTF8(t) : NULL;
+    char *end = NULL;
+    long n;
+    if (s == NULL || strlen(s) < 3 || strchr("<>|=", s[0]) == NULL)
+        return -1;
+    n = strtol(s + 2, &end, 10);
+    return end != NULL && *end == '\0' && n > 0 && n <= 64 ? n : -1;
+}
+
+/* A CUDA job's buffer from obj.__cuda_array_interface__: C-contiguous,
+ * writable when read into. v->buf and v->len only; v->obj stays NULL (the
+ * object is kept alive through a->devrefs). */
+static int cuda_view(PyObject *item, Py_ssize_t i, int writable, Py_buffer *v,
+                     batch_args *a)
+{
+    PyObject *cai = PyObject_GetAttrString(item, "__cuda_array_interface__");
+    PyObject *shape, *typestr, *data, *strides, *mask;
+    Py_ssize_t itemsize, n, nbytes = 1;
+    unsigned long long ptr;
+    int rc = -1, readonly;
+
+    if (cai == NULL || !PyDict_Check(cai)) {
+        if (cai != NULL || PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "buffers[%zd] is a CUDA job but %.200s has no "
+                         "__cuda_array_interface__ dict", i,
+                         Py_TYPE(item)->tp_name);
+        }
+        goto out;
+    }
+    shape = PyDict_GetItemString(cai, "shape");
+    typestr = PyDict_GetItemString(cai, "typestr");
+    data = PyDict_GetItemString(cai, "data");
+    strides = PyDict_GetItemString(cai, "strides");
+    mask = PyDict_GetItemString(cai, "mask");
+    if (shape == NULL || !PyTuple_Check(shape) || typestr == NULL ||
+        (itemsize = typestr_itemsize(typestr)) < 0 || data == NULL ||
+        !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 ||
+        (mask != NULL && mask != Py_None)) {
+        PyErr_Format(PyExc_ValueError,
+                     "buffers[%zd]: malformed __cuda_array_interface__", i);
+        goto out;
+    }
+    n = PyTuple_GET_SIZE(shape);
+    for (Py_ssize_t d = 0; d < n; d++) {
+        Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
+        if (k < 0 || (k > 0 && nbytes > PY_SSIZE_T_MAX / k)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError,
+                             "buffers[%zd]: bad shape in "
+                             "__cuda_array_interface__", i);
+            goto out;
+        }
+        nbytes *= k;
+    }
+    if (nbytes > PY_SSIZE_T_MAX / itemsize) {
+        PyErr_Format(PyExc_ValueError, "buffers[%zd] is too large", i);
+        goto out;
+    }
+    nbytes *= itemsize;
+    if (strides != NULL && strides != Py_None && nbytes > 0) {
+        /* explicit strides must be the C-contiguous ones */
+        Py_ssize_t want = itemsize;
+        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n)
+            goto not_contiguous;
+        for (Py_ssize_t d = n - 1; d >= 0; d--) {
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
+            Py_ssize_t sd = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, d));
+            if (sd == -1 && PyErr_Occurred())
+                goto out;
+            if (k > 1 && sd != want)
+                goto not_contiguous;
+            want *= k;
+        }
+    }
+    ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred())
+        goto out;
+    readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if (readonly < 0)
+        goto out;
+    if (writable && readonly) {
+        PyErr_Format(PyExc_BufferError,
+                     "buffers[%zd] must be writable to read into it (its "
+                     "__cuda_array_interface__ is read-only)", i);
+        goto out;
+    }
+    if (ptr == 0 && nbytes > 0) {
+        PyErr_Format(PyExc_ValueError, "buffers[%zd] has a NULL device pointer",
+                     i);
+        goto out;
+    }
+    if (a->devrefs == NULL && (a->devrefs = PyList_New(0)) == NULL)
+        goto out;
+    if (PyList_Append(a->devrefs, item) < 0)
+        goto out;
+    memset(v, 0, sizeof *v);
+    v->buf = (void *)(uintptr_t)ptr;
+    v->len = nbytes;
+    rc = 0;
+    goto out;
+not_contiguous:
+    PyErr_Format(PyExc_BufferError,
+                 "buffers[%zd] must be C-contiguous (its "
+                 "__cuda_array_interface__ has other strides)", i);
+out:
+    Py_XDECREF(cai);
+    return rc;
+}
+
+/* Hold a C-contiguous (and, if writable, writable) view of every buffer;
+ * jobs with cuda[j] set are device buffers (__cuda_array_interface__). */
+static int get_views(PyObject *obj, int writable, const char *cuda,
+                     batch_args *a)
 {
     PyObject *seq = PySequence_Fast(obj, "buffers must be a sequence");
     int rc = -1;
@@ -330,6 +448,12 @@ static int get_views(PyObject *obj, int writable, batch_args *a)
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         Py_buffer *v = &a->views[i];
         int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+        if (cuda != NULL && cuda[i]) {
+            if (cuda_view(item, i, writable, v, a) < 0)
+                goto out;
+            a->nviews++; /* released as an empty view: obj is NULL */
+            continue;
+        }
         if (!PyObject_CheckBuffer(item)) {
             PyErr_Format(PyExc_TypeError,
                          "buffers[%zd] must support the buffer protocol "
@@ -362,9 +486,10 @@ out:
 }
 
 /* paths, file_idx, offsets, buffers -> a; checks the indices. */
-static int get_batch(PyObject *const *args, int writable, batch_args *a)
+static int get_batch(PyObject *const *args, int writable, const char *cuda,
+                     batch_args *a)
 {
-    if (get_paths(args[0], a) < 0 || get_views(args[3], writable, a) < 0 ||
+    if (get_paths(args[0], a) < 0 || get_views(args[3], writable, cuda, a) < 0 ||
         get_int64s(args[1], a->njobs, "file_idx", &a->file_idx) < 0 ||
         get_int64s(args[2], a->njobs, "offsets", &a->offsets) < 0)
         return -1;
@@ -422,12 +547,19 @@ static int piece_arg(PyObject *obj, size_t *out)
 
 /* device argument: None, or one truth value per job (its buffer is device
  * memory of the stage's backend; the "host" backend's is host memory, taken
- * through the buffer protocol like any other). */
-static int dev_flags_arg(PyObject *obj, Py_ssize_t njobs, ss_stage *stage,
+ * through the buffer protocol like any other). njobs is len(buffers). */
+static int dev_flags_arg(PyObject *obj, PyObject *buffers, ss_stage *stage,
                          char **out)
 {
     PyObject *seq = NULL;
+    Py_ssize_t njobs = PySequence_Size(buffers);
     int rc = -1;
+
+    *out = NULL;
+    if (njobs < 0) {
+        PyErr_Clear();
+        njobs = 0; /* get_views reports a non-sequence */
+    }
 
     *out = PyMem_Calloc((size_t)njobs + 1, 1);
     if (*out == NULL) {
@@ -461,6 +593,22 @@ out:
     return rc;
 }
 
+/* stream argument: None, or the caller's CUDA stream as an int handle
+ * (torch.cuda.current_stream().cuda_stream) that device writes are ordered
+ * after. */
+static int stream_arg(PyObject *obj, void **out)
+{
+    unsigned long long v;
+    *out = NULL;
+    if (obj == Py_None)
+        return 0;
+    v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (void *)(uintptr_t)v;
+    return 0;
+}
+
 /* ---- entry points ------------------------------------------------------- */
 
 static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
@@ -476,16 +624,18 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     ss_pool *pool = NULL;
     ss_errinfo info;
     PyObject *result = NULL;
-    int rc;
+    int rc, cuda = 0;
 
-    if (check_nargs("write_batch", nargs, 12) < 0 || get_batch(args, 0, &a) < 0 ||
+    if (check_nargs("write_batch", nargs, 13) < 0 ||
+        ss_py_stage_arg(st, args[10], &o.stage, &cuda) < 0 ||
+        dev_flags_arg(args[11], args[3], o.stage, &dev) < 0 ||
+        stream_arg(args[12], &o.stream) < 0 ||
+        get_batch(args, 0, cuda ? dev : NULL, &a) < 0 ||
         ss_py_pool_arg(st, args[4], &pool) < 0 ||
         (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
         piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0 ||
-        (o.writeback = PyObject_IsTrue(args[9])) < 0 ||
-        ss_py_stage_arg(st, args[10], &o.stage) < 0 ||
-        dev_flags_arg(args[11], a.njobs, o.stage, &dev) < 0)
+        (o.writeback = PyObject_IsTrue(args[9])) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -525,15 +675,16 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
     ss_pool *pool = NULL;
     PyObject *expected = NULL, *result = NULL;
     ss_errinfo info;
-    int rc;
+    int rc, cuda = 0;
 
     if (check_nargs("read_batch", nargs, 12) < 0 ||
-        get_batch(args, 1, &a) < 0 || ss_py_pool_arg(st, args[5], &pool) < 0 ||
+        ss_py_stage_arg(st, args[10], &o.stage, &cuda) < 0 ||
+        dev_flags_arg(args[11], args[3], o.stage, &dev) < 0 ||
+        get_batch(args, 1, cuda ? dev : NULL, &a) < 0 ||
+        ss_py_pool_arg(st, args[5], &pool) < 0 ||
         (o.verify = PyObject_IsTrue(args[6])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[7])) < 0 ||
-        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0 ||
-        ss_py_stage_arg(st, args[10], &o.stage) < 0 ||
-        dev_flags_arg(args[11], a.njobs, o.stage, &dev) < 0)
+        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -682,12 +833,14 @@ static PyObject *py_raw_pread(PyObject *m, PyObject *const *args,
 static PyMethodDef io_methods[] = {
     {"write_batch", (PyCFunction)(void (*)(void))py_write_batch, METH_FASTCALL,
      "write_batch(paths, file_idx, offsets, buffers, pool, fsync, checksum, "
-     "piece, faults, writeback, stage, device)\n--\n\n"
+     "piece, faults, writeback, stage, device, stream)\n--\n\n"
      "Write buffers[j] at offsets[j] of paths[file_idx[j]] (files are "
      "created or truncated), with the GIL released. Returns the CRC-32 of "
      "each job (0s when checksum is false). piece 0 = default. writeback: "
      "start each written piece's writeback at once. device: None or a bool "
-     "per job; a device job's buffer is staged through stage."},
+     "per job; a device job's buffer is staged through stage (a CUDA stage "
+     "takes objects with __cuda_array_interface__, copied after the work "
+     "queued on stream, an int handle or None)."},
     {"read_batch", (PyCFunction)(void (*)(void))py_read_batch, METH_FASTCALL,
      "read_batch(paths, file_idx, offsets, buffers, crcs, pool, verify, "
      "checksum, piece, faults, stage, device)\n--\n\n"

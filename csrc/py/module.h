@@ -48,9 +48,11 @@ PyObject *ss_py_raise(ss_state *st, int rc, const ss_errinfo *info);
  * Returns 0, or -1 with TypeError set. */
 int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out);
 
-/* obj is None or a Stage: store its ss_stage* (NULL for None) in *out. */
+/* obj is None or a Stage: store its ss_stage* (NULL for None) in *out and
+ * whether its backend is CUDA in *cuda. */
 struct ss_stage;
-int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out);
+int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out,
+                    int *cuda);
 
 /* Per-concern initialisers, called by the exec slot in this order. */
 int ss_py_errors_init(PyObject *m, ss_state *st);

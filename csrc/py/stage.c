@@ -2,12 +2,15 @@
  * staging buffers and copy stream for device jobs of write_batch /
  * read_batch) and the backend it runs on.
  *
- * Backends: "host", ss_devhost (device memory is host memory: the
- * pipeline on machines without a GPU, and its tests). Device buffers are
- * taken from Python objects by ss_py_stage_buffer, per backend.
+ * Backends: "cuda", ss_devcuda on the libcudart that ss_cuda loads (device
+ * buffers come from __cuda_array_interface__, see io.c); "host", ss_devhost
+ * (device memory is host memory, taken through the buffer protocol: the
+ * pipeline on machines without a GPU, and its tests).
  */
 #include "module.h"
 
+#include "ss_cuda.h"
+#include "ss_devcuda.h"
 #include "ss_devhost.h"
 #include "ss_stage.h"
 
@@ -15,45 +18,114 @@ typedef struct {
     PyObject_HEAD
     ss_stage *stage;
     ss_devhost *host; /* the "host" backend */
+    ss_devcuda *cuda; /* the "cuda" backend */
+    int device;
     const char *backend;
 } StageObject;
 
+/* candidates: None or a sequence of str/bytes paths -> fs-encoded bytes in
+ * *refs (a new list) and their char pointers in *out (*n of them). */
+static int candidates_arg(PyObject *obj, PyObject **refs, const char ***out,
+                          Py_ssize_t *n)
+{
+    PyObject *seq = NULL;
+    int rc = -1;
+
+    *refs = NULL;
+    *out = NULL;
+    *n = 0;
+    if (obj == Py_None)
+        return 0;
+    seq = PySequence_Fast(obj, "candidates must be a sequence of paths or None");
+    if (seq == NULL)
+        return -1;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    *refs = PyList_New(0);
+    *out = PyMem_Calloc((size_t)*n + 1, sizeof **out);
+    if (*refs == NULL || *out == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        PyObject *b = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &b))
+            goto out;
+        if (PyList_Append(*refs, b) < 0) {
+            Py_DECREF(b);
+            goto out;
+        }
+        (*out)[i] = PyBytes_AS_STRING(b);
+        Py_DECREF(b); /* the list holds it */
+    }
+    rc = 0;
+out:
+    Py_XDECREF(seq);
+    return rc;
+}
+
 static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"backend", "buffers", "buffer_size", NULL};
+    static char *kwlist[] = {"backend", "buffers", "buffer_size", "device",
+                             "candidates", NULL};
     const char *backend = NULL;
-    Py_ssize_t nbufs = 0, bufsize = 0;
+    Py_ssize_t nbufs = 0, bufsize = 0, ncand = 0;
+    int device = 0, rc = 0, cuda;
+    PyObject *cand_obj = Py_None, *cand_refs = NULL;
+    const char **cands = NULL;
+    const ss_cuda *cu = NULL;
     StageObject *self = NULL;
     ss_errinfo info;
-    int rc = 0;
+    char reason[SS_DL_REASON_MAX] = "";
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "snn:Stage", kwlist, &backend,
-                                     &nbufs, &bufsize))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "snn|iO:Stage", kwlist,
+                                     &backend, &nbufs, &bufsize, &device,
+                                     &cand_obj))
         return NULL;
-    if (strcmp(backend, "host") != 0)
+    cuda = strcmp(backend, "cuda") == 0;
+    if (!cuda && strcmp(backend, "host") != 0)
         return PyErr_Format(PyExc_ValueError,
-                            "Stage backend must be 'host', got %R",
+                            "Stage backend must be 'host' or 'cuda', got %R",
                             PyTuple_GET_ITEM(args, 0));
     if (nbufs < 1 || nbufs > 4096 || bufsize < 4096)
         return PyErr_Format(PyExc_ValueError,
                             "Stage needs 1 to 4096 buffers of at least 4096 "
                             "bytes, got %zd of %zd", nbufs, bufsize);
+    if (device < 0)
+        return PyErr_Format(PyExc_ValueError, "device must be >= 0, got %d",
+                            device);
+    if (candidates_arg(cand_obj, &cand_refs, &cands, &ncand) < 0)
+        goto out;
     self = (StageObject *)type->tp_alloc(type, 0);
     if (self == NULL)
-        return NULL;
-    self->backend = "host";
+        goto out;
+    self->backend = cuda ? "cuda" : "host";
+    self->device = device;
+    ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_devhost_new(&self->host);
-    if (rc == 0)
-        rc = ss_stage_new(&self->stage, ss_devhost_dev(self->host),
-                          (size_t)nbufs, (size_t)bufsize);
+    if (cuda) {
+        rc = ss_cuda_load(ncand ? cands : NULL, (size_t)ncand, &cu, reason,
+                          sizeof reason);
+        if (rc == 0)
+            rc = ss_devcuda_new(&self->cuda, cu, device, &info);
+        if (rc == 0)
+            rc = ss_stage_new(&self->stage, ss_devcuda_dev(self->cuda),
+                              (size_t)nbufs, (size_t)bufsize);
+    } else {
+        rc = ss_devhost_new(&self->host);
+        if (rc == 0)
+            rc = ss_stage_new(&self->stage, ss_devhost_dev(self->host),
+                              (size_t)nbufs, (size_t)bufsize);
+    }
     Py_END_ALLOW_THREADS
     if (rc < 0) {
-        ss_errinfo_clear(&info);
-        ss_errinfo_set(&info, rc, "stage", NULL, -1, NULL);
-        Py_DECREF(self);
-        return ss_py_raise(ss_state_from_type(type), rc, &info);
+        if (info.code == 0) /* else ss_devcuda_new described it */
+            ss_errinfo_set(&info, rc, "stage", NULL, -1, "%s", reason);
+        Py_CLEAR(self);
+        ss_py_raise(ss_state_from_type(type), rc, &info);
     }
+out:
+    Py_XDECREF(cand_refs);
+    PyMem_Free(cands);
     return (PyObject *)self;
 }
 
@@ -62,11 +134,14 @@ static void Stage_dealloc(StageObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     ss_stage *stage = self->stage;
     ss_devhost *host = self->host;
+    ss_devcuda *cuda = self->cuda;
     self->stage = NULL;
     self->host = NULL;
+    self->cuda = NULL;
     Py_BEGIN_ALLOW_THREADS
-    ss_stage_free(stage); /* joins the copy stream */
+    ss_stage_free(stage); /* drains and frees the copy stream */
     ss_devhost_free(host);
+    ss_devcuda_free(cuda);
     Py_END_ALLOW_THREADS
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -90,6 +165,12 @@ static PyObject *Stage_get_buffer_size(StageObject *self, void *c)
     return PyLong_FromSize_t(ss_stage_bufsize(self->stage));
 }
 
+static PyObject *Stage_get_device(StageObject *self, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(self->device);
+}
+
 static PyObject *Stage_get_copies(StageObject *self, void *c)
 {
     (void)c;
@@ -111,6 +192,8 @@ static PyGetSetDef Stage_getset[] = {
      "Number of staging buffers.", NULL},
     {"buffer_size", (getter)Stage_get_buffer_size, NULL,
      "Bytes per staging buffer (device pieces are cut to it).", NULL},
+    {"device", (getter)Stage_get_device, NULL,
+     "The CUDA device ordinal (0 for the host backend).", NULL},
     {"copies", (getter)Stage_get_copies, NULL,
      "Copies the backend has completed (host backend; -1 otherwise).", NULL},
     {NULL},
@@ -121,9 +204,14 @@ static PyType_Slot Stage_slots[] = {
     {Py_tp_dealloc, Stage_dealloc},
     {Py_tp_repr, Stage_repr},
     {Py_tp_getset, Stage_getset},
-    {Py_tp_doc, "Stage(backend, buffers, buffer_size)\n--\n\n"
+    {Py_tp_doc, "Stage(backend, buffers, buffer_size, device=0, "
+                "candidates=None)\n--\n\n"
                 "Staging buffers and a copy stream for the device jobs of "
-                "write_batch / read_batch. One batch at a time."},
+                "write_batch / read_batch; batches take turns. backend "
+                "'cuda' loads libcudart from candidates (paths or names; "
+                "None: the default sonames) and stages through pinned "
+                "buffers on the given device; 'host' is the same pipeline "
+                "on host memory."},
     {0, NULL},
 };
 
@@ -134,8 +222,9 @@ static PyType_Spec Stage_spec = {
     .slots = Stage_slots,
 };
 
-int ss_py_stage_arg(ss_state *st, PyObject *obj, ss_stage **out)
+int ss_py_stage_arg(ss_state *st, PyObject *obj, ss_stage **out, int *cuda)
 {
+    *cuda = 0;
     if (obj == Py_None) {
         *out = NULL;
         return 0;
@@ -146,6 +235,7 @@ int ss_py_stage_arg(ss_state *st, PyObject *obj, ss_stage **out)
         return -1;
     }
     *out = ((StageObject *)obj)->stage;
+    *cuda = ((StageObject *)obj)->cuda != NULL;
     return 0;
 }
 

@@ -27,13 +27,22 @@ class ThreadPool:
     def threads(self) -> int: ...
 
 class Stage:
-    def __init__(self, backend: str, buffers: int, buffer_size: int) -> None: ...
+    def __init__(
+        self,
+        backend: str,
+        buffers: int,
+        buffer_size: int,
+        device: int = 0,
+        candidates: Sequence[PathArg] | None = None,
+    ) -> None: ...
     @property
     def backend(self) -> str: ...
     @property
     def buffers(self) -> int: ...
     @property
     def buffer_size(self) -> int: ...
+    @property
+    def device(self) -> int: ...
     @property
     def copies(self) -> int: ...
 
@@ -121,6 +130,7 @@ def write_batch(
     writeback: bool,
     stage: Stage | None,
     device: Sequence[bool] | None,
+    stream: int | None,
     /,
 ) -> list[int]: ...
 def read_batch(

@@ -128,6 +128,7 @@ def write(
     checksum: bool = True,
     writeback: bool = False,
     stage: Stage | None = None,
+    stream: int | None = None,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
@@ -140,7 +141,11 @@ def write(
     the batch so a later fsync has little left to wait for. Jobs in one
     file must not overlap. Jobs marked ``device`` go through ``stage``: their
     pieces are copied into its buffers (copies running ahead of the writes)
-    and written from there. Raises ShardstateIOError (an OSError with errno
+    and written from there; on a CUDA stage the copies start after the work
+    queued so far on ``stream`` (an int handle such as
+    ``torch.cuda.current_stream().cuda_stream``; None: the default stream),
+    and a device job's ``data`` is any object with
+    ``__cuda_array_interface__`` (a CUDA tensor). Raises ShardstateIOError (an OSError with errno
     and filename) on a system failure; the files are then left in an
     unspecified state."""
     jobs = list(jobs)
@@ -158,6 +163,7 @@ def write(
         bool(writeback),
         stage,
         _device_flags(jobs),
+        stream,
     )
 
 

@@ -80,8 +80,8 @@ static void test_roundtrip_and_kinds(void)
     uint32_t wcrc[N], rcrc[N], plain[N];
     ss_errinfo e;
     ss_io_opts o = SS_IO_OPTS_INIT;
-    CHECK_EQ_INT(ss_devcuda_new(&d, NULL, 0), SS_EINVAL);
-    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 1), 0);
+    CHECK_EQ_INT(ss_devcuda_new(&d, NULL, 0, NULL), SS_EINVAL);
+    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 1, NULL), 0);
     CHECK(strcmp(ss_devcuda_dev(d)->name, "cuda") == 0);
     CHECK_EQ_INT(ss_stage_new(&st, ss_devcuda_dev(d), 2, BUF), 0);
     CHECK_EQ_INT(ss_pool_new(&pool, 2), 0);
@@ -119,7 +119,7 @@ static void test_copy_failure(void)
     uint32_t crc[N];
     ss_errinfo e;
     ss_io_opts o = SS_IO_OPTS_INIT;
-    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 0), 0);
+    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 0, NULL), 0);
     CHECK_EQ_INT(ss_stage_new(&st, ss_devcuda_dev(d), 2, BUF), 0);
     o.stage = st;
     for (int j = 0; j < N; j++)
@@ -144,9 +144,12 @@ static void test_bad_device(void)
 {
     ss_devcuda *d = NULL;
     /* the fake has 2 devices: ordinal 5 fails in cudaSetDevice */
-    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 5), SS_EDEVICE);
+    ss_errinfo e;
+    ss_errinfo_clear(&e);
+    CHECK_EQ_INT(ss_devcuda_new(&d, cu, 5, &e), SS_EDEVICE);
     CHECK(d == NULL);
-    CHECK_EQ_INT(ss_devcuda_new(&d, cu, -1), SS_EINVAL);
+    CHECK(strstr(e.detail, "cudaSetDevice: invalid device ordinal") != NULL);
+    CHECK_EQ_INT(ss_devcuda_new(&d, cu, -1, NULL), SS_EINVAL);
 }
 
 int main(void)
