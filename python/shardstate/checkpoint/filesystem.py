@@ -233,15 +233,17 @@ def _numpy_region(rec: Any, data: np.ndarray, offsets: Any, lengths: Any) -> np.
     return src[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets, lengths))]
 
 
-def _prepare_tensor(t: Any) -> Any:
+def _prepare_tensor(t: Any, keep_device: bool = False) -> Any:
     """The tensor torch's DCP writer would torch.save for ``t``: detached, on
-    the CPU, cloned when its storage holds more than its own bytes (the
-    caller writes a contiguous one's elements itself, without the clone)."""
+    the CPU (or, with keep_device, where it is), cloned when its storage
+    holds more than its own bytes (the caller writes a contiguous one's
+    elements itself, without the clone)."""
     torch = _torch()
     t = t.detach()
     if t.layout != torch.strided:
         raise NotImplementedError(f"saving a {t.layout} tensor is not supported")
-    t = t.cpu()
+    if not keep_device:
+        t = t.cpu()
     if t.is_conj() or t.is_neg():
         # torch.save would record the bit; we store the resolved values.
         t = t.resolve_conj().resolve_neg()
@@ -261,11 +263,46 @@ def _dense_as_clone(t: Any) -> bool:
     return tuple(t.stride()) == tuple(_torch().empty_like(t, device="meta").stride())
 
 
-def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.ndarray]:
+# CUDA tensors are saved through a pipeline of pinned buffers (one Stage per
+# device and process, made on first use): the d2h copy of piece k+1 runs
+# while piece k is written, with no host copy of the tensor made in Python.
+_CUDA_STAGE_BUFFERS = 4
+_CUDA_STAGE_BUFFER_SIZE = 64 << 20
+_cuda_stages: dict[int, Any] = {}
+
+
+def _cuda_stage(device: Any) -> Any:
+    """The process's Stage for a CUDA device, or None when the CUDA runtime
+    cannot be loaded (the tensor is then copied to the CPU, as torch does)."""
+    index = device.index if device.index is not None else _torch().cuda.current_device()
+    if index not in _cuda_stages:
+        from .. import cuda as sscuda
+
+        try:
+            _cuda_stages[index] = ssio.Stage(
+                "cuda", _CUDA_STAGE_BUFFERS, _CUDA_STAGE_BUFFER_SIZE, device=index,
+                candidates=list(sscuda.candidates("cudart")))
+        except ShardstateError as e:
+            warnings.warn(f"shardstate: CUDA tensors are copied to the CPU before writing "
+                          f"({e})", stacklevel=3)
+            _cuda_stages[index] = None
+    return _cuda_stages[index]
+
+
+def _device_bytes(t: Any, start: int, nbytes: int) -> Any:
+    """A uint8 CUDA tensor over bytes [start, start + nbytes) of t's storage."""
+    torch = _torch()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), start, (nbytes,), (1,))
+
+
+def _record_source(value: Any, item: Any,
+                   cuda_ok: bool = False) -> tuple[str, tuple, tuple, int, Any]:
     """(dtype name, shape, stride, storage numel, the bytes to write) for a
     tensor item's value: a torch tensor (prepared as torch's writer would)
     or, for NumPy state without torch, an ndarray written as the contiguous
-    tensor of the dtype the planner recorded."""
+    tensor of the dtype the planner recorded. With cuda_ok, a CUDA tensor's
+    bytes stay on the device (a uint8 CUDA tensor) for the staging pipeline."""
     if isinstance(value, np.ndarray):
         # (not np.ascontiguousarray: it turns a 0-d array into shape (1,))
         arr = np.asarray(value, order="C")
@@ -273,16 +310,20 @@ def _record_source(value: Any, item: Any) -> tuple[str, tuple, tuple, int, np.nd
             tuple(int(np.prod(arr.shape[i + 1:])) for i in range(arr.ndim))
         return (str(item.tensor_data.properties.dtype), arr.shape, stride, arr.size,
                 arr.reshape(-1).view(np.uint8))
-    t = _prepare_tensor(value)
+    on_device = cuda_ok and getattr(value, "is_cuda", False)
+    t = _prepare_tensor(value, keep_device=on_device)
     if t.untyped_storage().nbytes() != t.nbytes:
         # A dense view into a larger storage, laid out as its clone would be
         # (a staged tensor, a slice of rows): the clone's record is this
         # range of the storage, so write it in place.
         start = t.storage_offset() * t.element_size()
-        return (str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel(),
-                _storage_bytes(t)[start:start + t.nbytes])
+        data = (_device_bytes(t, start, t.nbytes) if on_device
+                else _storage_bytes(t)[start:start + t.nbytes])
+        return str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel(), data
+    data = (_device_bytes(t, 0, t.untyped_storage().nbytes()) if on_device
+            else _storage_bytes(t))
     return (str(t.dtype), tuple(t.shape), tuple(t.stride()),
-            t.untyped_storage().nbytes() // t.element_size(), _storage_bytes(t))
+            t.untyped_storage().nbytes() // t.element_size(), data)
 
 
 class _Trailer:
@@ -499,6 +540,7 @@ class FileSystemWriter(StorageWriter):
         results: list[WriteResult] = []
         empty_files: list[str] = []
         keep: list[Any] = []  # tensors whose memory the jobs point into
+        stage, stage_device = None, None  # for the CUDA tensors of one device
         for name, items in self._files(plan):
             path = os.fspath(self.path / name)
             byte_items = [w for w in items if _is_bytes_item(w)]
@@ -515,12 +557,19 @@ class FileSystemWriter(StorageWriter):
                 results.append(_result(item, name, cursor, buf.nbytes))
                 cursor += buf.nbytes
             for item in tensor_items:
-                dtype, shape, stride, numel, data = _record_source(
-                    planner.resolve_data(item), item)
+                value = planner.resolve_data(item)
+                on_device = False
+                if getattr(value, "is_cuda", False):
+                    if stage_device is None:
+                        stage_device = value.device
+                        stage = _cuda_stage(value.device)
+                    on_device = stage is not None and value.device == stage_device
+                dtype, shape, stride, numel, data = _record_source(value, item, on_device)
                 keep.append(data)
                 rec, trailer = _record_plan(dtype, shape, stride, numel)
                 jobs.append(ssio.WriteJob(path, cursor, rec.header))
-                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, data))
+                jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, data,
+                                          device=on_device and data.numel() > 0))
                 trailers.append(
                     _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, trailer,
                                     len(jobs) - 1)
@@ -531,8 +580,12 @@ class FileSystemWriter(StorageWriter):
         # With sync_files, each piece's writeback starts as soon as it is
         # written: the disk works while the rest is copied, and the fsync
         # in _finish_files waits only for the tail.
-        crcs = ssio.write(jobs, fsync=False, checksum=True,
-                          writeback=self.sync_files) if jobs else []
+        stream = None
+        if stage is not None:
+            # the d2h copies start after the kernels queued so far
+            stream = _torch().cuda.current_stream(stage_device).cuda_stream
+        crcs = ssio.write(jobs, fsync=False, checksum=True, writeback=self.sync_files,
+                          stage=stage, stream=stream) if jobs else []
         del keep
         written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
         self._finish_files(written, trailers, crcs, empty_files)
