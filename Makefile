@@ -66,8 +66,8 @@ $(FAKE_DIR)/libfake_nccl_%.so: tests/c/fake_nccl.c
 	@mkdir -p $(FAKE_DIR)
 	$(CC) -std=c11 -shared -fPIC -O1 $(FAKE_nccl_$*) -o $@ $<
 
-build/ctest/test_cuda build/ctest/test_devcuda: $(FAKE_LIBS)
-build/ctest/test_cuda build/ctest/test_devcuda: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
+build/ctest/test_cuda build/ctest/test_devcuda build/ctest/test_comm: $(FAKE_LIBS)
+build/ctest/test_cuda build/ctest/test_devcuda build/ctest/test_comm: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
 
 ctest: $(CTESTS)
 	@set -e; p=0; f=0; for t in $(CTESTS); do \

@@ -314,118 +314,25 @@ out:
     return rc;
 }
 
-/* Bytes per item of a __cuda_array_interface__ typestr ("<f4", "|b1"). */
-static Py_ssize_t typestr_itemsize(PyObject *t)
-{
-    const char *s = PyUnicode_Check(t) ? PyUnicode_AsUTF8(t) : NULL;
-    char *end = NULL;
-    long n;
-    if (s == NULL || strlen(s) < 3 || strchr("<>|=", s[0]) == NULL)
-        return -1;
-    n = strtol(s + 2, &end, 10);
-    return end != NULL && *end == '\0' && n > 0 && n <= 64 ? n : -1;
-}
-
-/* A CUDA job's buffer from obj.__cuda_array_interface__: C-contiguous,
- * writable when read into. v->buf and v->len only; v->obj stays NULL (the
- * object is kept alive through a->devrefs). */
+/* A CUDA job's buffer (see ss_py_cai_buffer): v->buf and v->len only;
+ * v->obj stays NULL, the object is kept alive through a->devrefs. */
 static int cuda_view(PyObject *item, Py_ssize_t i, int writable, Py_buffer *v,
                      batch_args *a)
 {
-    PyObject *cai = PyObject_GetAttrString(item, "__cuda_array_interface__");
-    PyObject *shape, *typestr, *data, *strides, *mask;
-    Py_ssize_t itemsize, n, nbytes = 1;
-    unsigned long long ptr;
-    int rc = -1, readonly;
-
-    if (cai == NULL || !PyDict_Check(cai)) {
-        if (cai != NULL || PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "buffers[%zd] is a CUDA job but %.200s has no "
-                         "__cuda_array_interface__ dict", i,
-                         Py_TYPE(item)->tp_name);
-        }
-        goto out;
-    }
-    shape = PyDict_GetItemString(cai, "shape");
-    typestr = PyDict_GetItemString(cai, "typestr");
-    data = PyDict_GetItemString(cai, "data");
-    strides = PyDict_GetItemString(cai, "strides");
-    mask = PyDict_GetItemString(cai, "mask");
-    if (shape == NULL || !PyTuple_Check(shape) || typestr == NULL ||
-        (itemsize = typestr_itemsize(typestr)) < 0 || data == NULL ||
-        !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 ||
-        (mask != NULL && mask != Py_None)) {
-        PyErr_Format(PyExc_ValueError,
-                     "buffers[%zd]: malformed __cuda_array_interface__", i);
-        goto out;
-    }
-    n = PyTuple_GET_SIZE(shape);
-    for (Py_ssize_t d = 0; d < n; d++) {
-        Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
-        if (k < 0 || (k > 0 && nbytes > PY_SSIZE_T_MAX / k)) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError,
-                             "buffers[%zd]: bad shape in "
-                             "__cuda_array_interface__", i);
-            goto out;
-        }
-        nbytes *= k;
-    }
-    if (nbytes > PY_SSIZE_T_MAX / itemsize) {
-        PyErr_Format(PyExc_ValueError, "buffers[%zd] is too large", i);
-        goto out;
-    }
-    nbytes *= itemsize;
-    if (strides != NULL && strides != Py_None && nbytes > 0) {
-        /* explicit strides must be the C-contiguous ones */
-        Py_ssize_t want = itemsize;
-        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n)
-            goto not_contiguous;
-        for (Py_ssize_t d = n - 1; d >= 0; d--) {
-            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, d));
-            Py_ssize_t sd = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, d));
-            if (sd == -1 && PyErr_Occurred())
-                goto out;
-            if (k > 1 && sd != want)
-                goto not_contiguous;
-            want *= k;
-        }
-    }
-    ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
-    if (ptr == (unsigned long long)-1 && PyErr_Occurred())
-        goto out;
-    readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
-    if (readonly < 0)
-        goto out;
-    if (writable && readonly) {
-        PyErr_Format(PyExc_BufferError,
-                     "buffers[%zd] must be writable to read into it (its "
-                     "__cuda_array_interface__ is read-only)", i);
-        goto out;
-    }
-    if (ptr == 0 && nbytes > 0) {
-        PyErr_Format(PyExc_ValueError, "buffers[%zd] has a NULL device pointer",
-                     i);
-        goto out;
-    }
+    char what[32];
+    void *ptr = NULL;
+    Py_ssize_t len = 0;
+    snprintf(what, sizeof what, "buffers[%zd]", i);
+    if (ss_py_cai_buffer(item, what, writable, &ptr, &len) < 0)
+        return -1;
     if (a->devrefs == NULL && (a->devrefs = PyList_New(0)) == NULL)
-        goto out;
+        return -1;
     if (PyList_Append(a->devrefs, item) < 0)
-        goto out;
+        return -1;
     memset(v, 0, sizeof *v);
-    v->buf = (void *)(uintptr_t)ptr;
-    v->len = nbytes;
-    rc = 0;
-    goto out;
-not_contiguous:
-    PyErr_Format(PyExc_BufferError,
-                 "buffers[%zd] must be C-contiguous (its "
-                 "__cuda_array_interface__ has other strides)", i);
-out:
-    Py_XDECREF(cai);
-    return rc;
+    v->buf = ptr;
+    v->len = len;
+    return 0;
 }
 
 /* Hold a C-contiguous (and, if writable, writable) view of every buffer;

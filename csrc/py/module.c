@@ -12,7 +12,8 @@ static int ss_exec(PyObject *m)
     if (ss_py_errors_init(m, st) < 0 || ss_py_pool_init(m, st) < 0 ||
         ss_py_crc_init(m, st) < 0 || ss_py_io_init(m, st) < 0 ||
         ss_py_geom_init(m, st) < 0 || ss_py_flat_init(m, st) < 0 ||
-        ss_py_stage_init(m, st) < 0 || ss_py_cuda_init(m, st) < 0)
+        ss_py_stage_init(m, st) < 0 || ss_py_cuda_init(m, st) < 0 ||
+        ss_py_comm_init(m, st) < 0)
         return -1;
     return 0;
 }
@@ -28,6 +29,7 @@ static int ss_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->FaultInjector_type);
     Py_VISIT(st->FlatLayout_type);
     Py_VISIT(st->Stage_type);
+    Py_VISIT(st->NcclComm_type);
     return 0;
 }
 
@@ -42,6 +44,7 @@ static int ss_clear(PyObject *m)
     Py_CLEAR(st->FaultInjector_type);
     Py_CLEAR(st->FlatLayout_type);
     Py_CLEAR(st->Stage_type);
+    Py_CLEAR(st->NcclComm_type);
     return 0;
 }
 

@@ -23,6 +23,7 @@ typedef struct {
     PyTypeObject *FaultInjector_type;
     PyTypeObject *FlatLayout_type;
     PyTypeObject *Stage_type;
+    PyTypeObject *NcclComm_type;
 } ss_state;
 
 extern PyModuleDef ss_module_def;
@@ -54,6 +55,19 @@ struct ss_stage;
 int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out,
                     int *cuda);
 
+/* A device buffer from obj.__cuda_array_interface__: C-contiguous (and
+ * writable, if asked), its pointer and length in bytes; what names it in
+ * errors ("buffers[3]"). 0, or -1 with TypeError / ValueError /
+ * BufferError set. */
+int ss_py_cai_buffer(PyObject *obj, const char *what, int writable,
+                     void **ptr, Py_ssize_t *len);
+
+/* Library candidates: None or a sequence of str/bytes paths -> fs-encoded
+ * bytes kept in *refs (a new list, or NULL for None; the caller releases
+ * it) and their char pointers in *out (PyMem; *n of them). 0 or -1. */
+int ss_py_candidates(PyObject *obj, PyObject **refs, const char ***out,
+                     Py_ssize_t *n);
+
 /* Per-concern initialisers, called by the exec slot in this order. */
 int ss_py_errors_init(PyObject *m, ss_state *st);
 int ss_py_pool_init(PyObject *m, ss_state *st);
@@ -62,6 +76,7 @@ int ss_py_io_init(PyObject *m, ss_state *st);
 int ss_py_geom_init(PyObject *m, ss_state *st);
 int ss_py_flat_init(PyObject *m, ss_state *st);
 int ss_py_stage_init(PyObject *m, ss_state *st);
+int ss_py_comm_init(PyObject *m, ss_state *st);
 int ss_py_cuda_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */

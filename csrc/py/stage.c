@@ -23,10 +23,8 @@ typedef struct {
     const char *backend;
 } StageObject;
 
-/* candidates: None or a sequence of str/bytes paths -> fs-encoded bytes in
- * *refs (a new list) and their char pointers in *out (*n of them). */
-static int candidates_arg(PyObject *obj, PyObject **refs, const char ***out,
-                          Py_ssize_t *n)
+int ss_py_candidates(PyObject *obj, PyObject **refs, const char ***out,
+                     Py_ssize_t *n)
 {
     PyObject *seq = NULL;
     int rc = -1;
@@ -93,7 +91,7 @@ static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (device < 0)
         return PyErr_Format(PyExc_ValueError, "device must be >= 0, got %d",
                             device);
-    if (candidates_arg(cand_obj, &cand_refs, &cands, &ncand) < 0)
+    if (ss_py_candidates(cand_obj, &cand_refs, &cands, &ncand) < 0)
         goto out;
     self = (StageObject *)type->tp_alloc(type, 0);
     if (self == NULL)

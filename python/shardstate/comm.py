@@ -1,0 +1,183 @@
+"""Collective transport for shardstate's bulk traffic.
+
+Three collectives carry checkpoint and optimizer-state bytes between ranks:
+all-gather (flat optimizer-state shards into a full state), broadcast (an
+item read from storage once, sent to every rank that needs it) and
+scatter (a full state from one rank, in shards). The planning code above
+calls the functions here with torch tensors and a torch process group;
+only the transport differs:
+
+* CUDA tensors, with shardstate's CUDA runtime and NCCL available, go over
+  an NCCL communicator of shardstate's C core (``_core.NcclComm``): one
+  per process group, made on first use from a unique id that the group's
+  first rank creates and sends to the others over the group itself, kept,
+  and destroyed by :func:`close_communicators` (at exit, or when the caller
+  tears the group down). Its collectives are ordered after the work queued
+  on the current CUDA stream, and that stream waits for them.
+* Everything else (CPU tensors, gloo groups, no NCCL) goes through
+  ``torch.distributed`` on the group, as before.
+
+Set ``SHARDSTATE_NCCL=0`` to keep CUDA tensors on ``torch.distributed``
+as well.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+from . import _core
+
+__all__ = ["all_gather_into", "broadcast", "close_communicators", "communicator", "scatter"]
+
+_comms: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, NcclComm)
+_failed: set[int] = set()  # groups whose communicator could not be made
+_lock = threading.Lock()
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def _group(group: Any) -> Any:
+    dist = _dist()
+    return group if group is not None else dist.group.WORLD
+
+
+def exchange_unique_id(group: Any, make: Any = None) -> bytes:
+    """A unique id made by the group's first rank (``make()``, default
+    ``_core.nccl_unique_id``) and received by every rank over the group."""
+    dist = _dist()
+    box = [None]
+    if dist.get_rank(group) == 0:
+        box[0] = (make or _nccl_unique_id)()
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    uid = box[0]
+    if not isinstance(uid, bytes) or len(uid) != 128:
+        raise RuntimeError(f"the NCCL unique id from rank 0 is malformed: {uid!r:.80}")
+    return uid
+
+
+def _nccl_unique_id() -> bytes:
+    from . import cuda as sscuda
+
+    return _core.nccl_unique_id(cudart=list(sscuda.candidates("cudart")),
+                                nccl=list(sscuda.candidates("nccl")))
+
+
+def communicator(group: Any = None, device: int | None = None) -> Any:
+    """shardstate's NCCL communicator for ``group`` (None: the default
+    group), made collectively on first use; None where NCCL cannot be used
+    (no library, no GPU, ``SHARDSTATE_NCCL=0``). Every rank of the group
+    must call it the first time, as for any collective."""
+    if os.environ.get("SHARDSTATE_NCCL", "1") == "0":
+        return None
+    group = _group(group)
+    key = id(group)
+    with _lock:
+        if key in _comms:
+            return _comms[key][1]
+        if key in _failed:
+            return None
+    from . import cuda as sscuda
+
+    st = sscuda.status()
+    # every rank decides alike only if every rank sees the same: agree first
+    ok = bool(st.cuda.available and st.nccl.loaded)
+    dist = _dist()
+    flags = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, ok, group=group)
+    if not all(flags):
+        with _lock:
+            _failed.add(key)
+        return None
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    uid = exchange_unique_id(group)
+    comm = _core.NcclComm(dist.get_world_size(group), dist.get_rank(group), uid, device,
+                          cudart=list(sscuda.candidates("cudart")),
+                          nccl=list(sscuda.candidates("nccl")))
+    with _lock:
+        _comms[key] = (group, comm)
+    return comm
+
+
+def close_communicators(group: Any = None) -> None:
+    """Destroy shardstate's communicator of ``group`` (all of them when
+    None). Call before destroying the torch group itself."""
+    with _lock:
+        keys = [k for k, (g, _) in _comms.items() if group is None or g is group]
+        comms = [_comms.pop(k)[1] for k in keys]
+        if group is None:
+            _failed.clear()
+        else:
+            _failed.discard(id(group))
+    for c in comms:
+        c.close()
+
+
+atexit.register(close_communicators)
+
+
+def _stream(t: Any) -> int:
+    import torch
+
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _bytes(t: Any) -> Any:
+    return t.reshape(-1).view(__import__("torch").uint8)
+
+
+def _nccl_for(tensors: list[Any], group: Any) -> Any:
+    if not all(t is not None and t.is_cuda and t.is_contiguous() for t in tensors):
+        return None
+    return communicator(group, tensors[0].device.index)
+
+
+def all_gather_into(out: Any, inp: Any, group: Any = None) -> None:
+    """``out`` (world x ``inp`` elements) <- every rank's ``inp`` in rank
+    order (torch's ``all_gather_single``)."""
+    comm = _nccl_for([out, inp], group)
+    if comm is None:
+        dist = _dist()
+        # all_gather_single is torch 2.13's name; older releases have the other
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, inp, group=group)
+        return
+    comm.all_gather(_bytes(inp), _bytes(out), stream=_stream(inp))
+
+
+def broadcast(t: Any, group_src: int, group: Any = None) -> None:
+    """``t`` on every rank <- ``t`` on group rank ``group_src``."""
+    comm = _nccl_for([t], group)
+    if comm is None:
+        _dist().broadcast(t, group=group, group_src=group_src)
+        return
+    comm.broadcast(_bytes(t), group_src, stream=_stream(t))
+
+
+def scatter(out: Any, parts: list[Any] | None, group_src: int, group: Any = None) -> None:
+    """``out`` on group rank r <- ``parts[r]`` of group rank ``group_src``
+    (equal sizes; None on the other ranks)."""
+    dist = _dist()
+    if not (out is not None and out.is_cuda):
+        dist.scatter(out, parts, group=group, group_src=group_src)
+        return
+    send = None
+    if parts is not None:
+        import torch
+
+        send = torch.cat([p.reshape(-1) for p in parts])
+    comm = _nccl_for([out] + ([send] if send is not None else []), group)
+    if comm is None:
+        dist.scatter(out, parts, group=group, group_src=group_src)
+        return
+    comm.scatter(_bytes(send) if send is not None else None, _bytes(out), group_src,
+                 stream=_stream(out))
