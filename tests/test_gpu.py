@@ -98,3 +98,27 @@ def test_checkpoint_of_cuda_tensors_both_ways(tmp_path, torch_cuda):
         for k, v in sd.items():
             if torch.is_tensor(v):
                 assert out[k].device == v.device and torch.equal(out[k], v), (src, k)
+
+
+def test_async_save_of_cuda_tensors_stages_then_allows_mutation(tmp_path, torch_cuda):
+    torch = torch_cuda
+    import shardstate.checkpoint as dcp
+    from shardstate.checkpoint import _staging
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    sd = {"a": torch.randn(2048, 512, device="cuda", generator=g),
+          "b": torch.randn(64, 32, device="cuda", generator=g).t(),
+          "c": torch.randn(100)}
+    want = {k: v.cpu().clone() for k, v in sd.items()}
+    for i in range(3):  # the pool's arena is reused (and stays page-locked)
+        fut = dcp.async_save(sd, checkpoint_id=tmp_path / f"ck{i}")
+        fut.staging_completion.result()
+        for v in sd.values():
+            v.add_(1.0)  # the training step after staging
+        fut.result()
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, checkpoint_id=tmp_path / f"ck{i}")
+        for k in sd:
+            assert torch.equal(out[k].cpu(), want[k]), (i, k)
+        want = {k: v.cpu().clone() for k, v in sd.items()}
+    assert any(a._pinned is not None for a in _staging._pool._free)
