@@ -1,7 +1,8 @@
-/* cai.c - device buffers from Python objects: the CUDA Array Interface
- * (__cuda_array_interface__, as torch's CUDA tensors, CuPy and Numba
- * arrays give it). Only the pointer and the length are taken; the caller
- * keeps the object alive while the memory is used. */
+/* cai.c - device buffers and streams from Python objects: the CUDA Array
+ * Interface (__cuda_array_interface__, as torch's CUDA tensors, CuPy and
+ * Numba arrays give it; only the pointer and the length are taken, the
+ * caller keeps the object alive while the memory is used), and stream
+ * handles given as ints. */
 #include "module.h"
 
 #include <stdint.h>
@@ -114,3 +115,16 @@ out:
     return rc;
 }
 
+
+int ss_py_stream_arg(PyObject *obj, void **out)
+{
+    unsigned long long v;
+    *out = NULL;
+    if (obj == Py_None)
+        return 0;
+    v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (void *)(uintptr_t)v;
+    return 0;
+}

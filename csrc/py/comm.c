@@ -131,19 +131,6 @@ static int take(NcclCommObject *self)
     return 0;
 }
 
-static int stream_of(PyObject *obj, void **out)
-{
-    unsigned long long v;
-    *out = NULL;
-    if (obj == Py_None)
-        return 0;
-    v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = (void *)(uintptr_t)v;
-    return 0;
-}
-
 enum { OP_ALL_GATHER, OP_BROADCAST, OP_SCATTER };
 
 static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
@@ -169,7 +156,7 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
          !PyArg_ParseTupleAndKeywords(args, kwds, "OOi|Op:scatter", kw_sc, &send,
                                       &recv, &root, &stream_obj, &wait)))
         return NULL;
-    if (stream_of(stream_obj, &stream) < 0 || take(self) < 0)
+    if (ss_py_stream_arg(stream_obj, &stream) < 0 || take(self) < 0)
         return NULL;
     nranks = ss_comm_nranks(self->comm);
     if (ss_py_cai_buffer(recv, op == OP_BROADCAST ? "buf" : "recv", 1, &rp, &rn) < 0 ||

@@ -500,22 +500,6 @@ out:
     return rc;
 }
 
-/* stream argument: None, or the caller's CUDA stream as an int handle
- * (torch.cuda.current_stream().cuda_stream) that device writes are ordered
- * after. */
-static int stream_arg(PyObject *obj, void **out)
-{
-    unsigned long long v;
-    *out = NULL;
-    if (obj == Py_None)
-        return 0;
-    v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = (void *)(uintptr_t)v;
-    return 0;
-}
-
 /* ---- entry points ------------------------------------------------------- */
 
 static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
@@ -536,7 +520,7 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     if (check_nargs("write_batch", nargs, 13) < 0 ||
         ss_py_stage_arg(st, args[10], &o.stage, &cuda) < 0 ||
         dev_flags_arg(args[11], args[3], o.stage, &dev) < 0 ||
-        stream_arg(args[12], &o.stream) < 0 ||
+        ss_py_stream_arg(args[12], &o.stream) < 0 ||
         get_batch(args, 0, cuda ? dev : NULL, &a) < 0 ||
         ss_py_pool_arg(st, args[4], &pool) < 0 ||
         (o.fsync = PyObject_IsTrue(args[5])) < 0 ||

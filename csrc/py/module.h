@@ -62,6 +62,10 @@ int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out,
 int ss_py_cai_buffer(PyObject *obj, const char *what, int writable,
                      void **ptr, Py_ssize_t *len);
 
+/* A CUDA stream: None (the default stream, NULL) or an int handle such as
+ * torch.cuda.current_stream().cuda_stream. 0, or -1 with an error set. */
+int ss_py_stream_arg(PyObject *obj, void **out);
+
 /* Library candidates: None or a sequence of str/bytes paths -> fs-encoded
  * bytes kept in *refs (a new list, or NULL for None; the caller releases
  * it) and their char pointers in *out (PyMem; *n of them). 0 or -1. */
