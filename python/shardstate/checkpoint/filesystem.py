@@ -863,14 +863,19 @@ class FileSystemReader(StorageReader):
             got = recs.get(k)
             if got is not None:
                 rec = got[1]
-                # storage bytes the ranks would read without broadcasting
+                # Storage bytes the ranks would read without broadcasting: a
+                # region is read alone only when it is one range of the record
+                # and (as far as the coordinator can tell without the
+                # destination) of the destination too: whole rows of the
+                # tensor; any other is read with its whole record.
+                full = tuple(int(n) for n in tmd.size)[1:]
                 alone = 0
                 for items in ranks.values():
                     for it in items:
                         offs = tuple(int(o) for o in it.storage_offsets)
                         lens = tuple(int(n) for n in it.lengths)
                         span = _slab(rec, offs, lens, esize) \
-                            if len(offs) == len(rec.shape) else None
+                            if len(offs) == len(rec.shape) and lens[1:] == full else None
                         alone += rec.data_length if span is None else span[1]
                 if rec.data_length and alone > rec.data_length:
                     chosen.append(k)
