@@ -32,6 +32,12 @@ record, the rest is read in bounded pieces for its CRC only and the CRCs are
 combined, so every record read is checked whole (``verify_checksums=False``
 skips all of it).
 
+Shared chunks (``broadcast_shared_reads=True``): the coordinator plans in
+``prepare_global_plan`` which rank reads each chunk several ranks need,
+balancing read bytes, and in which rounds of bounded size the sources
+broadcast them; every rank runs the same rounds (``_exchange``), and a
+failure on any rank stops all of them at the next round's check.
+
 Known limits: a data file truncated by someone else while it is mapped can
 raise SIGBUS; adjacent small reads are not coalesced (the engine runs them
 in parallel); CUDA tensors are copied to the CPU, all of a rank's at once,
@@ -107,6 +113,8 @@ _SCRATCH_BUDGET = 256 << 20
 _PIECE = 16 << 20
 # Bytes broadcast per round when shared reads are broadcast (all sources).
 _BCAST_ROUND = 256 << 20
+# A chunk at least this big is broadcast on its own (see _plan_broadcast).
+_BCAST_ALONE = 8 << 20
 
 
 class StorageFormatError(ShardstateError, ValueError):
@@ -703,6 +711,17 @@ class FileSystemReader(StorageReader):
     ``weights_only=False``, which runs any code they hold). ``_extension_registry`` is accepted for
     compatibility; records written with stream transforms raise
     NotImplementedError.
+
+    ``broadcast_shared_reads``: under shardstate's ``load`` with a process
+    group, a saved chunk that several ranks need (a Replicate() target, a
+    plain tensor every rank loads, overlapping reshard regions) is read from
+    storage by one rank and broadcast over the group, so storage reads do
+    not grow with the replication factor (``_plan_broadcast``). True turns
+    it on; None (auto) and False leave it off: over gloo on one host each
+    rank reading the page cache is as fast. The coordinator's option
+    decides for the load. ``read_stats`` holds, after each ``read_data``,
+    the bytes this rank read from storage and sent and received in
+    broadcasts.
     """
 
     def __init__(
@@ -716,8 +735,8 @@ class FileSystemReader(StorageReader):
     ) -> None:
         super().__init__()
         if broadcast_shared_reads not in (None, True, False):
-            raise TypeError(
-                f"broadcast_shared_reads must be None, True or False, got {broadcast_shared_reads!r}")
+            raise TypeError("broadcast_shared_reads must be None, True or False, got "
+                            f"{broadcast_shared_reads!r}")
         self.broadcast_shared_reads = broadcast_shared_reads
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
@@ -834,8 +853,9 @@ class FileSystemReader(StorageReader):
         broadcast to the others. Sources are chosen largest chunk first, each
         to the needing rank with the fewest bytes to read so far (its own
         unshared reads included). The chunks are packed in rounds of at most
-        ``_BCAST_ROUND`` bytes (a bigger chunk gets a round of its own), by
-        source rank and file offset; every rank runs the same rounds."""
+        ``_BCAST_ROUND`` bytes (a chunk of ``_BCAST_ALONE`` bytes or more gets
+        a round of its own), by source rank and file offset; every rank runs
+        the same rounds."""
         need: dict[Any, dict[int, list[Any]]] = {}
         meta: dict[Any, tuple[Any, Any]] = {}
         load = [0] * len(plans)
@@ -901,14 +921,16 @@ class FileSystemReader(StorageReader):
         for k in order:
             r, rec = recs[k]
             n = rec.data_length
-            if used + n > _BCAST_ROUND:
+            if used + n > _BCAST_ROUND or n >= _BCAST_ALONE:
                 rounds.append([])
                 used = 0
             rnd = rounds[-1]
             if not rnd or rnd[-1][0] != src[k]:
                 rnd.append((src[k], []))
             rnd[-1][1].append(_Shared(k, rec, r.where()))
-            used += n
+            # a large chunk travels alone: a rank that loads it whole into
+            # a contiguous tensor then reads or receives it in place
+            used = _BCAST_ROUND if n >= _BCAST_ALONE else used + n
         return _Schedule(frozenset(chosen), rounds)
 
     def _shared_chunks(self, plans: list[Any]) -> set:
@@ -936,7 +958,8 @@ class FileSystemReader(StorageReader):
 
     def _enable_broadcast(self, coord: Any) -> None:
         """Called by shardstate's load before planning, with its
-        coordinator, whose process group carries the broadcasts."""
+        coordinator, whose process group carries the broadcasts (and with
+        None when the load is over)."""
         self._coord = coord
 
     def _arm(self, storage_data: Any) -> None:
@@ -1108,8 +1131,6 @@ class FileSystemReader(StorageReader):
                     stats["broadcast_sent"] += buf.nbytes
                 elif any(e.key in mine for e in entries):
                     stats["broadcast_received"] += buf.nbytes
-            if error is not None:
-                continue  # reported at the next round's check
             try:
                 for (_src, entries), (buf, direct) in zip(rnd, bufs):
                     pos = 0
@@ -1150,7 +1171,6 @@ class FileSystemReader(StorageReader):
             pos += n
         self._run(jobs, reqs)
         return buf, direct
-
 
     def _read_bytes(self, reqs: list[_Req], planner: Any) -> None:
         """Reads every bytes item in one batch, checks each record (CRC-32s,

@@ -93,7 +93,17 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
     exchange = coord.use_dist and coord.world_size > 1 and hasattr(reader, "_enable_broadcast")
     if exchange:
         reader._enable_broadcast(coord)
+        try:
+            _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, True)
+        finally:
+            reader._enable_broadcast(None)  # not for a later load by someone else
+        return
+    _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, False)
 
+
+def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator, planner: Any,
+                   local_error: BaseException | None, shared_verify: bool,
+                   exchange: bool) -> None:
     def local_step() -> Any:
         if local_error is not None:
             raise local_error
