@@ -1138,7 +1138,11 @@ class FileSystemReader(StorageReader):
                         n = e.rec.data_length
                         for r, dest in mine.get(e.key, ()):
                             if not direct:
-                                _copy_out(r, e.rec, buf[pos : pos + n], dest)
+                                whole = _direct_bytes(dest, e.rec, r)
+                                if whole is not None:  # one memcpy
+                                    whole[...] = buf[pos : pos + n]
+                                else:
+                                    _copy_out(r, e.rec, buf[pos : pos + n], dest)
                             planner.commit_tensor(r.item, dest)
                         pos += n
             except BaseException as e:  # noqa: BLE001 - the others carry on
