@@ -20,6 +20,12 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
 def dist_ready() -> bool:
     """True when torch.distributed is importable and initialised."""
     import sys
@@ -87,6 +93,45 @@ class _Coordinator:
     def barrier(self) -> None:
         if self.use_dist:
             self._dist.barrier(group=self.group)
+
+    # ---- bulk transport for load-once-broadcast (the reader's exchange)
+
+    def any_failed(self, failed: bool) -> bool:
+        """Whether any rank passed True (every rank must call it)."""
+        if not self.use_dist:
+            return failed
+        torch = _torch()
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64,
+                            device=self._transport_device())
+        self._dist.all_reduce(flag, group=self.group)
+        return int(flag.item()) > 0
+
+    def broadcast_bytes(self, buf: Any, src: int) -> None:
+        """Broadcasts a contiguous uint8 NumPy buffer, in place, from group
+        rank ``src`` (every rank passes a buffer of the same size). The one
+        place the load's bulk bytes cross ranks: gloo sends host memory as
+        is; NCCL needs device memory, so the bytes are staged through the
+        current CUDA device (to be replaced by the C core's NCCL path)."""
+        if not self.use_dist or buf.nbytes == 0:
+            return
+        torch = _torch()
+        t = torch.from_numpy(buf)
+        src_global = self._dist.get_global_rank(self.group, src) if self.group is not None \
+            else src
+        dev = self._transport_device()
+        if dev == "cpu":
+            self._dist.broadcast(t, src=src_global, group=self.group)
+            return
+        staged = t.to(dev)
+        self._dist.broadcast(staged, src=src_global, group=self.group)
+        t.copy_(staged.cpu())
+
+    def _transport_device(self) -> Any:
+        backend = str(self._dist.get_backend(self.group))
+        if backend == "nccl":
+            torch = _torch()
+            return torch.device("cuda", torch.cuda.current_device())
+        return "cpu"
 
     # ---- failure-safe steps
 

@@ -32,6 +32,12 @@ record, the rest is read in bounded pieces for its CRC only and the CRCs are
 combined, so every record read is checked whole (``verify_checksums=False``
 skips all of it).
 
+Shared chunks (``broadcast_shared_reads=True``): the coordinator plans in
+``prepare_global_plan`` which rank reads each chunk several ranks need,
+balancing read bytes, and in which rounds of bounded size the sources
+broadcast them; every rank runs the same rounds (``_exchange``), and a
+failure on any rank stops all of them at the next round's check.
+
 Known limits: a data file truncated by someone else while it is mapped can
 raise SIGBUS; adjacent small reads are not coalesced (the engine runs them
 in parallel); CUDA tensors are copied to the CPU, all of a rank's at once,
@@ -105,6 +111,10 @@ _MAX_METADATA_BYTES = 4 << 30
 _SCRATCH_BUDGET = 256 << 20
 # Pieces in which the unread rest of a partly read record is checksummed.
 _PIECE = 16 << 20
+# Bytes broadcast per round when shared reads are broadcast (all sources).
+_BCAST_ROUND = 256 << 20
+# A chunk at least this big is broadcast on its own (see _plan_broadcast).
+_BCAST_ALONE = 8 << 20
 
 
 class StorageFormatError(ShardstateError, ValueError):
@@ -754,6 +764,17 @@ class FileSystemReader(StorageReader):
     ``weights_only=False``, which runs any code they hold). ``_extension_registry`` is accepted for
     compatibility; records written with stream transforms raise
     NotImplementedError.
+
+    ``broadcast_shared_reads``: under shardstate's ``load`` with a process
+    group, a saved chunk that several ranks need (a Replicate() target, a
+    plain tensor every rank loads, overlapping reshard regions) is read from
+    storage by one rank and broadcast over the group, so storage reads do
+    not grow with the replication factor (``_plan_broadcast``). True turns
+    it on; None (auto) and False leave it off: over gloo on one host each
+    rank reading the page cache is as fast. The coordinator's option
+    decides for the load. ``read_stats`` holds, after each ``read_data``,
+    the bytes this rank read from storage and sent and received in
+    broadcasts.
     """
 
     def __init__(
@@ -763,8 +784,13 @@ class FileSystemReader(StorageReader):
         *,
         verify_checksums: bool = True,
         unsafe_unpickle: bool = False,
+        broadcast_shared_reads: bool | None = None,
     ) -> None:
         super().__init__()
+        if broadcast_shared_reads not in (None, True, False):
+            raise TypeError("broadcast_shared_reads must be None, True or False, got "
+                            f"{broadcast_shared_reads!r}")
+        self.broadcast_shared_reads = broadcast_shared_reads
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
@@ -777,9 +803,15 @@ class FileSystemReader(StorageReader):
         self._shared_verify = False
         self._shared_keys: frozenset = frozenset()
         self._pieces: list[tuple] = []
+        # Load once, broadcast (see _plan_broadcast): the loader's
+        # coordinator, set by shardstate's load; None under torch's load.
+        self._coord: Any = None
+        self._armed: Any = None
+        self.read_stats: dict[str, int] = _new_stats()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._coord = None  # set again by shardstate's load, after reset
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
@@ -833,20 +865,126 @@ class FileSystemReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        """On the coordinator: marks in each plan's ``storage_data`` the
-        saved chunks whose checksum the ranks verify together (see
-        ``_shared_chunks``), when the loader has asked for it."""
-        if not self._shared_verify or not self.verify_checksums or len(plans) < 2:
-            return plans
-        shared = self._shared_chunks(plans)
-        if not shared:
+        """On the coordinator: puts in each plan's ``storage_data`` (a
+        ``_LoadPlanData``) the saved chunks whose checksum the ranks verify
+        together (see ``_shared_chunks``), when the loader has asked for it,
+        and the broadcast schedule (``_plan_broadcast``) when broadcasting
+        shared reads is on. Every rank gets the same schedule."""
+        sched = self._plan_broadcast(plans) if self._broadcast_on() and len(plans) > 1 else None
+        shared: set = set()
+        if self._shared_verify and self.verify_checksums and len(plans) > 1:
+            shared = self._shared_chunks(plans)
+            if sched is not None:
+                shared -= sched.keys  # read whole, by one rank, which checks it
+        if not shared and sched is None:
             return plans
         out = []
         for p in plans:
             mine = frozenset(k for k in (_index_key(it.storage_index) for it in p.items)
                              if k in shared)
-            out.append(dataclasses.replace(p, storage_data=mine) if mine else p)
+            out.append(dataclasses.replace(p, storage_data=_LoadPlanData(mine, sched))
+                       if mine or sched is not None else p)
         return out
+
+    def _broadcast_on(self) -> bool:
+        """Whether this (the coordinator's) load broadcasts shared reads:
+        only under shardstate's load with a group of 2+ ranks. Auto (None)
+        is off for now: over gloo on one host, reading from the page cache
+        beats sending the bytes over loopback (measured); it is meant to
+        turn on with the NCCL transport for CUDA targets (issue 5)."""
+        coord = self._coord
+        if coord is None or not coord.use_dist or coord.world_size < 2:
+            return False
+        return bool(self.broadcast_shared_reads)
+
+    def _plan_broadcast(self, plans: list[Any]) -> _Schedule | None:
+        """Load once, broadcast: the saved tensor chunks that more than one
+        rank reads, and that the ranks would read from storage more than once
+        between them (a Replicate() target, a plain tensor every rank loads,
+        overlapping reshard regions; not disjoint row slabs, which are read
+        once already), are each read whole by one rank that needs them and
+        broadcast to the others. Sources are chosen largest chunk first, each
+        to the needing rank with the fewest bytes to read so far (its own
+        unshared reads included). The chunks are packed in rounds of at most
+        ``_BCAST_ROUND`` bytes (a chunk of ``_BCAST_ALONE`` bytes or more gets
+        a round of its own), by source rank and file offset; every rank runs
+        the same rounds."""
+        need: dict[Any, dict[int, list[Any]]] = {}
+        meta: dict[Any, tuple[Any, Any]] = {}
+        load = [0] * len(plans)
+        for rank, p in enumerate(plans):
+            for it in p.items:
+                if it.type.name == "BYTE_IO":
+                    continue
+                found = self._chunk(it.storage_index)
+                if found is None:
+                    continue
+                k = _index_key(it.storage_index)
+                meta.setdefault(k, found)
+                need.setdefault(k, {}).setdefault(rank, []).append(it)
+        candidates = sorted(k for k, ranks in need.items() if len(ranks) > 1)
+        recs: dict[Any, tuple[_Req, _Rec]] = {}
+        if candidates:
+            first = [need[k][min(need[k])][0] for k in candidates]
+            reqs = self._requests(_Items(first))
+            for r, rec in zip(reqs, self._parse(reqs)):
+                recs[_index_key(r.item.storage_index)] = (r, rec)
+        chosen = []
+        for k, ranks in need.items():
+            tmd = meta[k][0]
+            esize = element_size(tmd.properties.dtype)
+            got = recs.get(k)
+            if got is not None:
+                rec = got[1]
+                # Storage bytes the ranks would read without broadcasting: a
+                # region is read alone only when it is one range of the record
+                # and (as far as the coordinator can tell without the
+                # destination) of the destination too: whole rows of the
+                # tensor; any other is read with its whole record.
+                full = tuple(int(n) for n in tmd.size)[1:]
+                alone = 0
+                for items in ranks.values():
+                    for it in items:
+                        offs = tuple(int(o) for o in it.storage_offsets)
+                        lens = tuple(int(n) for n in it.lengths)
+                        span = _slab(rec, offs, lens, esize) \
+                            if len(offs) == len(rec.shape) and lens[1:] == full else None
+                        alone += rec.data_length if span is None else span[1]
+                if rec.data_length and alone > rec.data_length:
+                    chosen.append(k)
+                    continue
+            for rank, items in ranks.items():
+                for it in items:
+                    n = esize
+                    for ln in it.lengths:
+                        n *= int(ln)
+                    load[rank] += n
+        if not chosen:
+            return None
+        chosen.sort(key=lambda k: (-recs[k][1].data_length, k))
+        src: dict[Any, int] = {}
+        for k in chosen:
+            s = min(need[k], key=lambda r: (load[r], r))
+            src[k] = s
+            load[s] += recs[k][1].data_length
+        order = sorted(chosen, key=lambda k: (src[k], recs[k][0].file.path,
+                                              recs[k][0].info.offset))
+        rounds: list[list[tuple[int, list[_Shared]]]] = []
+        used = _BCAST_ROUND
+        for k in order:
+            r, rec = recs[k]
+            n = rec.data_length
+            if used + n > _BCAST_ROUND or n >= _BCAST_ALONE:
+                rounds.append([])
+                used = 0
+            rnd = rounds[-1]
+            if not rnd or rnd[-1][0] != src[k]:
+                rnd.append((src[k], []))
+            rnd[-1][1].append(_Shared(k, rec, r.where()))
+            # a large chunk travels alone: a rank that loads it whole into
+            # a contiguous tensor then reads or receives it in place
+            used = _BCAST_ROUND if n >= _BCAST_ALONE else used + n
+        return _Schedule(frozenset(chosen), rounds)
 
     def _shared_chunks(self, plans: list[Any]) -> set:
         """The saved chunks the ranks' reads cover together: one rank reads
@@ -870,6 +1008,25 @@ class FileSystemReader(StorageReader):
                 boxes.setdefault(k, set()).add(
                     (tuple(int(o) for o in it.storage_offsets), tuple(int(n) for n in it.lengths)))
         return {k for k, bs in boxes.items() if _covers(bs, sizes[k])}
+
+    def _enable_broadcast(self, coord: Any) -> None:
+        """Called by shardstate's load before planning, with its
+        coordinator, whose process group carries the broadcasts (and with
+        None when the load is over)."""
+        self._coord = coord
+
+    def _arm(self, storage_data: Any) -> None:
+        """The loader hands over the central plan's ``storage_data`` before
+        ``finish_plan``: the broadcast rounds are run from it even if a
+        planner's ``finish_plan`` drops it."""
+        self._armed = storage_data
+
+    def _abort_exchange(self) -> None:
+        """This rank failed before ``read_data``: it still takes part in the
+        exchange (as failed) so no rank waits for its broadcasts."""
+        sd, self._armed = self._armed, None
+        if isinstance(sd, _LoadPlanData) and sd.bcast is not None:
+            self._exchange(sd.bcast, {}, None, failed=True)
 
     def _enable_shared_verify(self) -> None:
         """Called by shardstate's load before planning: it gathers what
@@ -952,22 +1109,131 @@ class FileSystemReader(StorageReader):
     # ---- reading ----
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        sd = getattr(plan, "storage_data", None)
-        self._shared_keys = sd if self._shared_verify and isinstance(sd, frozenset) else frozenset()
+        sd, self._armed = (getattr(plan, "storage_data", None) if self._armed is None
+                           else self._armed), None
+        lp = sd if isinstance(sd, _LoadPlanData) else None
+        self._shared_keys = lp.shared if lp is not None and self._shared_verify else frozenset()
         self._pieces = []
-        reqs = self._requests(plan)
+        self.read_stats = _new_stats()
+        sched = lp.bcast if lp is not None else None
+        if sched is None:
+            self._read_local(self._requests(plan), planner)
+            return completed_future(None)
+        # Until the exchange is over, a failure here must not keep this rank
+        # from the broadcast rounds the others wait in: it is carried
+        # through them and raised after.
+        mine: dict[Any, list[tuple[_Req, Any]]] = {}
+        local: list[_Req] = []
+        error: BaseException | None = None
+        try:
+            for r in self._requests(plan):
+                k = _index_key(r.item.storage_index)
+                if k in sched.keys and r.item.type.name != "BYTE_IO":
+                    dest = planner.resolve_tensor(r.item)
+                    mine.setdefault(k, []).append(
+                        (r, dest if isinstance(dest, np.ndarray) else dest.detach()))
+                else:
+                    local.append(r)
+        except BaseException as e:  # noqa: BLE001 - raised after the exchange
+            error = e
+        if not self._exchange(sched, mine, planner, failed=error is not None):
+            return completed_future(None)  # another rank failed; it reports
+        if error is not None:
+            raise error
+        self._read_local(local, planner)
+        return completed_future(None)
+
+    def _read_local(self, reqs: list[_Req], planner: Any) -> None:
         byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
         tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
         if byte_reqs:
             self._read_bytes(byte_reqs, planner)
         if tensor_reqs:
             self._read_tensors(tensor_reqs, planner)
-        return completed_future(None)
+
+    def _exchange(self, sched: _Schedule, mine: dict[Any, list[tuple[_Req, Any]]],
+                  planner: Any, failed: bool) -> bool:
+        """Runs the broadcast rounds. Per round: each source reads its
+        chunks whole into one buffer (CRC-32 checked), the ranks agree that
+        nobody has failed (one small all-reduce), each source broadcasts its
+        buffer in rank order, and each rank copies out the regions it needs.
+        A chunk that is a rank's whole, contiguous destination and alone in
+        its round is read or received straight into that destination. Every
+        rank issues the same collectives in the same order whatever fails
+        locally; a local failure is raised after the round it happened in,
+        and once any rank has failed all ranks stop at the next round.
+        Returns False when another rank's failure stopped the rounds."""
+        coord = self._coord
+        me = coord.rank
+        stats = self.read_stats
+        error: BaseException | None = None
+        stopped = False
+        for rnd in sched.rounds:
+            bufs: list[tuple[np.ndarray, bool]] = []
+            if not failed and error is None:
+                try:
+                    bufs = [self._round_buffer(entries, mine, src == me) for src, entries in rnd]
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    error = e
+            if coord.any_failed(failed or error is not None):
+                stopped = True
+                break
+            for (src, entries), (buf, _direct) in zip(rnd, bufs):
+                coord.broadcast_bytes(buf, src)
+                if src == me:
+                    stats["broadcast_sent"] += buf.nbytes
+                elif any(e.key in mine for e in entries):
+                    stats["broadcast_received"] += buf.nbytes
+            try:
+                for (_src, entries), (buf, direct) in zip(rnd, bufs):
+                    pos = 0
+                    for e in entries:
+                        n = e.rec.data_length
+                        for r, dest in mine.get(e.key, ()):
+                            if not direct:
+                                whole = _direct_bytes(dest, e.rec, r)
+                                if whole is not None:  # one memcpy
+                                    whole[...] = buf[pos : pos + n]
+                                else:
+                                    _copy_out(r, e.rec, buf[pos : pos + n], dest)
+                            planner.commit_tensor(r.item, dest)
+                        pos += n
+            except BaseException as e:  # noqa: BLE001 - the others carry on
+                error = e
+        if error is not None:
+            raise error
+        return not stopped or failed
+
+    def _round_buffer(self, entries: list[_Shared], mine: dict[Any, list[tuple[_Req, Any]]],
+                      source: bool) -> tuple[np.ndarray, bool]:
+        """One source's buffer for a round: all its chunks' storage bytes
+        back to back, read from storage (CRC-32 checked) on the source; and
+        whether it is this rank's destination itself (nothing to copy)."""
+        buf = None
+        if len(entries) == 1 and len(mine.get(entries[0].key, ())) == 1:
+            r, dest = mine[entries[0].key][0]
+            buf = _direct_bytes(dest, entries[0].rec, r)
+        direct = buf is not None
+        if buf is None:
+            buf = np.empty(sum(e.rec.data_length for e in entries), np.uint8)
+        if not source:
+            return buf, direct
+        jobs, reqs, pos = [], [], 0
+        for e in entries:
+            n = e.rec.data_length
+            r = mine[e.key][0][0]
+            jobs.append(ssio.ReadJob(r.file.path, e.rec.data_offset, buf[pos : pos + n],
+                                     e.rec.data_crc32 if self.verify_checksums else None))
+            reqs.append((r, e.rec))
+            pos += n
+        self._run(jobs, reqs)
+        return buf, direct
 
     def _read_bytes(self, reqs: list[_Req], planner: Any) -> None:
         """Reads every bytes item in one batch, checks each record (CRC-32s,
         allowed globals) and hands it to ``planner.load_bytes``."""
         bufs = [bytearray(r.info.length) for r in reqs]
+        self.read_stats["storage_bytes"] += sum(len(b) for b in bufs)
         ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b) for r, b in zip(reqs, bufs)],
                   checksum=False)
         for r, b in zip(reqs, bufs):
@@ -1140,6 +1406,7 @@ class FileSystemReader(StorageReader):
                 r, rec = items[i][0], items[i][1]
                 batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p, scratch[pos : pos + ln]))
                 pos += ln
+            self.read_stats["storage_bytes"] += used
             for (i, p, _ln), c in zip(rest[k : k + n], ssio.read(batch, checksum=True)):
                 piece_crc[(i, p)] = c
             k += n
@@ -1160,7 +1427,6 @@ class FileSystemReader(StorageReader):
         """Items that need a copy (strided records or destinations, another
         dtype or device): each record's storage is read whole (so its CRC is
         checked) into scratch, in batches of bounded size, then copied."""
-        torch = sys.modules.get("torch")  # loaded whenever a destination is a tensor
         k = 0
         while k < len(items):
             n, used = 0, 0
@@ -1183,16 +1449,7 @@ class FileSystemReader(StorageReader):
                     if rec.data_length and self._is_shared(r):
                         self._add_piece(r, rec, 0, rec.data_length, rec.data_crc32)
             for (r, rec, dest), s in zip(batch, scratch):
-                if isinstance(dest, np.ndarray):
-                    dest[...] = _numpy_region(rec, s, r.item.storage_offsets, r.item.lengths)
-                    planner.commit_tensor(r.item, dest)
-                    continue
-                dt = getattr(torch, rec.dtype)
-                src = torch.from_numpy(s).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
-                src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
-                for d, (o, ln) in enumerate(zip(r.item.storage_offsets, r.item.lengths)):
-                    src = src.narrow(d, int(o), int(ln))
-                dest.copy_(src)
+                _copy_out(r, rec, s, dest)
                 planner.commit_tensor(r.item, dest)
             k += n
 
@@ -1209,6 +1466,7 @@ class FileSystemReader(StorageReader):
     ) -> list[int]:
         if not jobs:
             return []
+        self.read_stats["storage_bytes"] += sum(memoryview(j.out).nbytes for j in jobs)
         try:
             return ssio.read(jobs, verify=self.verify_checksums, checksum=checksum)
         except ChecksumError as e:
@@ -1216,6 +1474,58 @@ class FileSystemReader(StorageReader):
             if not isinstance(k, int) or not 0 <= k < len(reqs):
                 raise
             raise ChecksumError(_crc_message(*reqs[k])) from e
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A saved chunk read by one rank and broadcast (``where`` for errors)."""
+
+    key: tuple
+    rec: _Rec
+    where: str
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The broadcast rounds, the same on every rank: per round, (source
+    rank, its chunks in buffer order) in increasing source rank."""
+
+    keys: frozenset
+    rounds: list[list[tuple[int, list[_Shared]]]]
+
+
+@dataclass(frozen=True)
+class _LoadPlanData:
+    """A local load plan's ``storage_data`` from ``prepare_global_plan``:
+    this rank's chunks verified together, and the broadcast schedule."""
+
+    shared: frozenset
+    bcast: _Schedule | None = None
+
+
+@dataclass
+class _Items:
+    items: list[Any]
+
+
+def _direct_bytes(dest: Any, rec: _Rec, r: _Req) -> np.ndarray | None:
+    """``dest``'s own bytes when the region ``r`` reads is the whole record
+    and ``dest`` is a contiguous CPU tensor or array of its dtype (the
+    chunk can be read or received straight into it); else None."""
+    if rec.storage_offset or not _contiguous(rec.shape, rec.stride) or not rec.data_length:
+        return None
+    if tuple(int(o) for o in r.item.storage_offsets) != (0,) * len(rec.shape) or \
+            tuple(int(n) for n in r.item.lengths) != tuple(rec.shape):
+        return None
+    if isinstance(dest, np.ndarray):
+        ok = (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"
+              and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}")
+    else:
+        ok = (dest.device.type == "cpu" and str(dest.dtype) == f"torch.{rec.dtype}"
+              and dest.is_contiguous())
+    if not ok or dest.nbytes != rec.data_length:
+        return None
+    return _region_bytes(dest)
 
 
 def _covers(boxes: set, size: tuple[int, ...]) -> bool:
@@ -1294,6 +1604,35 @@ def verify_pieces(gathered: list[list[tuple]]) -> None:
             failures.setdefault(e[0], _wrap_exception(err))
     if failures:
         raise CheckpointException("read", failures)
+
+
+def _copy_out(r: _Req, rec: _Rec, data: np.ndarray, dest: Any) -> None:
+    """Copies the region ``r`` reads out of a record's storage bytes
+    ``data`` into ``dest``: NumPy destinations by NumPy, tensors of the
+    record's dtype on the CPU by the C ``copy_region`` (GIL released), any
+    other by torch's ``copy_`` (dtype or device conversion)."""
+    if isinstance(dest, np.ndarray):
+        dest[...] = _numpy_region(rec, data, r.item.storage_offsets, r.item.lengths)
+        return
+    torch = sys.modules["torch"]  # loaded whenever a destination is a tensor
+    dt = getattr(torch, rec.dtype)
+    src = torch.from_numpy(data).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
+    src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
+    offs = [int(o) for o in r.item.storage_offsets]
+    lens = [int(n) for n in r.item.lengths]
+    if (dest.device.type == "cpu" and dest.dtype == dt and src.dim() >= 1
+            and dest.numel() and all(st >= 0 for st in src.stride())):
+        from ..geometry import copy_region
+
+        copy_region(dest, [0] * len(lens), src, offs, lens)
+        return
+    for d, (o, ln) in enumerate(zip(offs, lens)):
+        src = src.narrow(d, o, ln)
+    dest.copy_(src)
+
+
+def _new_stats() -> dict[str, int]:
+    return {"storage_bytes": 0, "broadcast_sent": 0, "broadcast_received": 0}
 
 
 def _crc_message(r: _Req, rec: _Rec) -> str:

@@ -87,7 +87,23 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
         hasattr(reader, "_enable_shared_verify")
     if shared_verify:
         reader._enable_shared_verify()
+    # It can also read a chunk several ranks need once and broadcast it
+    # over the group (if its broadcast_shared_reads option says so); then
+    # every rank must run the broadcast rounds, even one that fails first.
+    exchange = coord.use_dist and coord.world_size > 1 and hasattr(reader, "_enable_broadcast")
+    if exchange:
+        reader._enable_broadcast(coord)
+        try:
+            _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, True)
+        finally:
+            reader._enable_broadcast(None)  # not for a later load by someone else
+        return
+    _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, False)
 
+
+def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator, planner: Any,
+                   local_error: BaseException | None, shared_verify: bool,
+                   exchange: bool) -> None:
     def local_step() -> Any:
         if local_error is not None:
             raise local_error
@@ -106,7 +122,16 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
     central_plan = coord.reduce_scatter("plan", local_step, global_step)
 
     def read_data() -> Any:
-        futures = reader.read_data(planner.finish_plan(central_plan), planner)
+        if exchange:
+            reader._arm(getattr(central_plan, "storage_data", None))
+            try:
+                plan = planner.finish_plan(central_plan)
+            except BaseException:
+                reader._abort_exchange()
+                raise
+        else:
+            plan = planner.finish_plan(central_plan)
+        futures = reader.read_data(plan, planner)
         futures.wait()
         return reader._take_pieces() if shared_verify else None
 
