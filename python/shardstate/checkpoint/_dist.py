@@ -109,21 +109,21 @@ class _Coordinator:
     def broadcast_bytes(self, buf: Any, src: int) -> None:
         """Broadcasts a contiguous uint8 NumPy buffer, in place, from group
         rank ``src`` (every rank passes a buffer of the same size). The one
-        place the load's bulk bytes cross ranks: gloo sends host memory as
-        is; NCCL needs device memory, so the bytes are staged through the
-        current CUDA device (to be replaced by the C core's NCCL path)."""
+        place the load's bulk bytes cross ranks, through shardstate.comm:
+        gloo sends host memory as is; an NCCL group needs device memory, so
+        the bytes are staged through the current CUDA device and sent over
+        shardstate's NCCL communicator (torch's, where that is off)."""
         if not self.use_dist or buf.nbytes == 0:
             return
-        torch = _torch()
-        t = torch.from_numpy(buf)
-        src_global = self._dist.get_global_rank(self.group, src) if self.group is not None \
-            else src
+        from .. import comm
+
+        t = _torch().from_numpy(buf)
         dev = self._transport_device()
         if dev == "cpu":
-            self._dist.broadcast(t, src=src_global, group=self.group)
+            comm.broadcast(t, src, self.group)
             return
         staged = t.to(dev)
-        self._dist.broadcast(staged, src=src_global, group=self.group)
+        comm.broadcast(staged, src, self.group)
         t.copy_(staged.cpu())
 
     def _transport_device(self) -> Any:
