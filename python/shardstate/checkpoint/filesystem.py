@@ -808,6 +808,9 @@ class FileSystemReader(StorageReader):
         self._coord: Any = None
         self._armed: Any = None
         self.read_stats: dict[str, int] = _new_stats()
+        # CUDA destinations read through the staging pipeline: (device,
+        # Stage or None), fixed by the first CUDA destination seen
+        self._cuda: tuple[Any, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -1347,9 +1350,9 @@ class FileSystemReader(StorageReader):
                         and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}"):
                     span = _slab(rec, offs, lengths, dest.itemsize)
             elif (
-                dest.device.type == "cpu"
-                and str(dest.dtype) == f"torch.{rec.dtype}"
+                str(dest.dtype) == f"torch.{rec.dtype}"
                 and dest.is_contiguous()
+                and (dest.device.type == "cpu" or self._cuda_direct(dest))
             ):
                 span = _slab(rec, offs, lengths, dest.element_size())
             if span is None:
@@ -1372,8 +1375,12 @@ class FileSystemReader(StorageReader):
         for r, rec, dest, (start, count) in items:
             is_whole = count == rec.data_length
             whole.append(is_whole)
-            jobs.append(ssio.ReadJob(r.file.path, rec.data_offset + start, _region_bytes(dest),
-                                     rec.data_crc32 if verify and is_whole else None))
+            on_device = getattr(dest, "is_cuda", False)
+            out = (_device_bytes(dest, dest.storage_offset() * dest.element_size(), dest.nbytes)
+                   if on_device else _region_bytes(dest))
+            jobs.append(ssio.ReadJob(r.file.path, rec.data_offset + start, out,
+                                     rec.data_crc32 if verify and is_whole else None,
+                                     device=on_device))
         partial = verify and not all(whole)
         crcs = self._run(jobs, [(r, rec) for r, rec, _d, _s in items], checksum=partial)
         if not verify:
@@ -1461,14 +1468,28 @@ class FileSystemReader(StorageReader):
         self._pieces.append((_index_key(r.item.storage_index), r.file.path, rec.data_offset,
                              rec.data_length, rec.data_crc32, start, count, crc, r.where()))
 
+    def _cuda_direct(self, dest: Any) -> bool:
+        """Whether a CUDA destination is read into through the staging
+        pipeline (pinned buffers, then host-to-device copies straight into
+        it): yes when the CUDA runtime loads, for the first device seen (the
+        rest go through host memory)."""
+        if not getattr(dest, "is_cuda", False):
+            return False
+        if self._cuda is None:
+            self._cuda = (dest.device, _cuda_stage(dest.device))
+        return self._cuda[1] is not None and dest.device == self._cuda[0]
+
     def _run(
         self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False
     ) -> list[int]:
         if not jobs:
             return []
-        self.read_stats["storage_bytes"] += sum(memoryview(j.out).nbytes for j in jobs)
+        self.read_stats["storage_bytes"] += sum(
+            j.out.nbytes if j.device else memoryview(j.out).nbytes for j in jobs)
+        stage = self._cuda[1] if any(j.device for j in jobs) else None
         try:
-            return ssio.read(jobs, verify=self.verify_checksums, checksum=checksum)
+            return ssio.read(jobs, verify=self.verify_checksums, checksum=checksum,
+                             stage=stage)
         except ChecksumError as e:
             k = getattr(e, "job", None)
             if not isinstance(k, int) or not 0 <= k < len(reqs):
