@@ -122,3 +122,41 @@ def test_async_save_of_cuda_tensors_stages_then_allows_mutation(tmp_path, torch_
             assert torch.equal(out[k].cpu(), want[k]), (i, k)
         want = {k: v.cpu().clone() for k, v in sd.items()}
     assert any(a._pinned is not None for a in _staging._pool._free)
+
+
+def _fsdp_on_gpu(rank, world):
+    """FSDP1 on CUDA over NCCL (world 1: NCCL refuses two ranks on one GPU):
+    shardstate.fsdp's full and sharded optimizer state equal torch's, and
+    the full gather's bytes go over shardstate's own NCCL communicator."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import shardstate.fsdp as ssf
+    from shardstate import comm
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(33, 65), nn.ReLU(), nn.Linear(65, 7)).cuda(),
+                 device_id=torch.device("cuda", 0))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(5, 33, device="cuda")).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    ours = ssf.full_optim_state_dict(model, optim)
+    theirs = FSDP.full_optim_state_dict(model, optim)
+    same = ours.keys() == theirs.keys() and ours["param_groups"] == theirs["param_groups"]
+    for k, st in theirs["state"].items():
+        for name, v in st.items():
+            o = ours["state"][k][name]
+            same = same and (torch.equal(o.cpu(), v.cpu()) if torch.is_tensor(v) else o == v)
+    used_nccl = comm.communicator() is not None
+    comm.close_communicators()
+    return same, used_nccl
+
+
+def test_fsdp_optim_state_on_gpu(run_distributed, torch_cuda):
+    (same, used_nccl), = run_distributed(_fsdp_on_gpu, 1, backend="nccl")
+    assert same
+    assert used_nccl
