@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.tensor import DTensor
 
 import shardstate.fsdp as ssf
@@ -75,10 +76,12 @@ class Nested(nn.Module):
         return self.head(self.frozen(h))
 
 
-def _wrap(use_orig_params: bool) -> nn.Module:
+def _wrap(use_orig_params: bool, strategy: ShardingStrategy | None = None) -> nn.Module:
     torch.manual_seed(0)
     model = Nested()
-    kw = dict(device_id=CPU, use_orig_params=use_orig_params)
+    kw: dict[str, Any] = dict(device_id=CPU, use_orig_params=use_orig_params)
+    if strategy is not None:
+        kw["sharding_strategy"] = strategy
     model.block1 = FSDP(model.block1, **kw)
     model.block2 = FSDP(model.block2, **kw)
     if not use_orig_params:
@@ -110,8 +113,10 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, rank: int, steps: int
         optim.zero_grad()
 
 
-def _setup(rank: int, use_orig_params: bool, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _wrap(use_orig_params)
+def _setup(
+    rank: int, use_orig_params: bool, kind: str, strategy: ShardingStrategy | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _wrap(use_orig_params, strategy)
     optim = _optimizer(model, kind)
     _train(model, optim, rank)
     return model, optim
@@ -202,9 +207,13 @@ def _aliased(osd: dict[str, Any]) -> bool:
     )
 
 
-def _torch_aliases(use_orig_params: bool, kind: str, world_size: int) -> bool:
-    """Whether torch's full save with offload_to_cpu=True returns aliased state here."""
-    return use_orig_params and world_size > 1 and kind in ("adam", "adamw")
+def _torch_aliases(
+    use_orig_params: bool, kind: str, world_size: int, strategy: ShardingStrategy | None = None
+) -> bool:
+    """Whether torch's full save with offload_to_cpu=True returns aliased state here
+    (NO_SHARD gathers nothing, so nothing is aliased)."""
+    sharded = world_size > 1 and strategy != ShardingStrategy.NO_SHARD
+    return use_orig_params and sharded and kind in ("adam", "adamw")
 
 
 def _quiet() -> warnings.catch_warnings:
@@ -221,8 +230,14 @@ def _quiet() -> warnings.catch_warnings:
 # ---------------------------------------------------------------------------
 
 
-def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) -> int:
-    model, optim = _setup(rank, use_orig_params, kind)
+def _check_case(
+    rank: int,
+    world_size: int,
+    use_orig_params: bool,
+    kind: str,
+    strategy: ShardingStrategy | None = None,
+) -> int:
+    model, optim = _setup(rank, use_orig_params, kind, strategy)
     local = copy.deepcopy(optim.state_dict())
     checks = 0
 
@@ -245,7 +260,7 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         ours = ssf.optim_state_dict(model, optim)
         where = f"optim_state_dict(sharded={sharded}, rank0_only={rank0_only}, offload={offload})"
         torch_aliased = (
-            _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+            _torch_aliases(use_orig_params, kind, world_size, strategy) and offload and not sharded
         )
         if torch_aliased:
             # Collective: every rank asks torch for the right numbers.
@@ -276,7 +291,11 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         )
         theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(theirs_sd))
         for src_name, src in (("our save", ours_sd), ("torch's save", theirs_sd)):
-            aliased = _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+            aliased = (
+                _torch_aliases(use_orig_params, kind, world_size, strategy)
+                and offload
+                and not sharded
+            )
             if aliased and src is theirs_sd:
                 continue  # torch's aliased result is not a state to load
             ours = ssf.optim_state_dict_to_load(model, optim, copy.copy(src))
@@ -300,7 +319,7 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
     for r0 in (True, False):
         ours = ssf.full_optim_state_dict(model, optim, rank0_only=r0)
         theirs = FSDP.full_optim_state_dict(model, optim, rank0_only=r0)
-        if _torch_aliases(use_orig_params, kind, world_size) and theirs:
+        if _torch_aliases(use_orig_params, kind, world_size, strategy) and theirs:
             assert _aliased(theirs)
             theirs = saved[(False, False, False)][1]
         assert_same(ours, theirs, f"full_optim_state_dict(rank0_only={r0})")
@@ -370,6 +389,32 @@ def _matrix(rank: int, world_size: int) -> int:
 def test_matches_torch(run_distributed, world_size: int) -> None:
     checks = run_distributed(_matrix, world_size)
     assert len(set(checks)) == 1 and checks[0] > 100, checks
+
+
+def _no_shard_matrix(rank: int, world_size: int) -> int:
+    cm = _quiet()
+    try:
+        checks = 0
+        for use_orig_params in (False, True):
+            for kind in ("adam", "sgd_momentum"):
+                try:
+                    checks += _check_case(
+                        rank, world_size, use_orig_params, kind, ShardingStrategy.NO_SHARD
+                    )
+                except AssertionError as e:
+                    raise AssertionError(f"use_orig_params={use_orig_params}, {kind}: {e}") from e
+        return checks
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(600)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_shard_matches_torch(run_distributed, world_size: int) -> None:
+    # ShardingStrategy.NO_SHARD: every rank holds the whole flat state; the
+    # SHARDED state dict still chunks it over the ranks.
+    checks = run_distributed(_no_shard_matrix, world_size)
+    assert len(set(checks)) == 1 and checks[0] > 50, checks
 
 
 # ---------------------------------------------------------------------------
@@ -471,7 +516,9 @@ def _wrap_mesh(use_orig_params: bool, world_size: int) -> nn.Module:
     return FSDP(model, **kw)
 
 
-def _sharded_load_case(rank: int, world_size: int, mesh: bool) -> list[Any]:
+def _sharded_load_case(
+    rank: int, world_size: int, mesh: bool, strategy: ShardingStrategy | None = None
+) -> list[Any]:
     """Load torch's SHARDED save with ours and torch's; count our collectives."""
     cm = _quiet()
     try:
@@ -483,14 +530,30 @@ def _sharded_load_case(rank: int, world_size: int, mesh: bool) -> list[Any]:
                     optim = _optimizer(model, kind)
                     _train(model, optim, rank)
                 else:
-                    model, optim = _setup(rank, use_orig_params, kind)
+                    model, optim = _setup(rank, use_orig_params, kind, strategy)
                 _set_type(model, True)
                 saved = FSDP.optim_state_dict(model, optim)
+                where = f"mesh={mesh} use_orig_params={use_orig_params} {kind}"
                 values = [v for s in saved["state"].values() for v in s.values()]
                 want = DTensor if mesh else ShardedTensor
-                # (world size 1: torch keeps plain tensors)
-                assert world_size == 1 or any(isinstance(v, want) for v in values), where
-                where = f"mesh={mesh} use_orig_params={use_orig_params} {kind}"
+                # torch keeps plain tensors at world size 1 and (use_orig_params) NO_SHARD
+                plain = world_size == 1 or (use_orig_params and strategy is not None)
+                assert plain or any(isinstance(v, want) for v in values), where
+                if world_size > 1 and plain:
+                    # Chunk them anyway: a sharded state from elsewhere loads too.
+                    from torch.distributed.fsdp._shard_utils import (
+                        _create_chunk_sharded_tensor as chunked,
+                    )
+
+                    saved["state"] = {
+                        fqn: {
+                            n: chunked(v, rank, world_size, 1, dist.group.WORLD)
+                            if v.dim() > 0
+                            else v
+                            for n, v in state.items()
+                        }
+                        for fqn, state in saved["state"].items()
+                    }
                 theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(saved))
                 ours: dict[str, Any] = {}
 
@@ -541,6 +604,20 @@ def test_sharded_load_from_dtensors(run_distributed) -> None:
                 kind,
                 counts,
             )
+
+
+@pytest.mark.distributed_timeout(300)
+def test_sharded_load_no_shard(run_distributed) -> None:
+    # NO_SHARD: every rank needs the whole flat state, so the chunks of each
+    # unit and state name travel in one all-gather instead.
+    # (With use_orig_params torch's NO_SHARD sharded state is plain tensors;
+    # the case chunks them itself.)
+    per_rank = run_distributed(_sharded_load_case, 2, False, ShardingStrategy.NO_SHARD)
+    for rank, results in enumerate(per_rank):
+        for use_orig_params, kind, counts in results:
+            states = 2 if kind == "adam" else 1
+            want = {"all_gather_into_tensor": 3 * states, "all_reduce": 1}
+            assert counts == want, (rank, use_orig_params, kind, counts)
 
 
 def _relayout(saved: dict[str, Any], how: str, rank: int, world_size: int) -> dict[str, Any]:
