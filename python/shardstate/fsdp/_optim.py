@@ -51,7 +51,7 @@ from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chu
 from torch.distributed.fsdp._shard_utils import _get_remote_device_str
 from torch.distributed.fsdp._optim_utils import (
     FSDPParamInfo,
-    _allgather_state_info,
+    StateInfo,
     _broadcast_processed_state,
     _broadcast_state,
     _convert_all_state_info,
@@ -376,19 +376,101 @@ def _convert_state_with_flat_params(
     return out
 
 
+def _scratch(
+    cache: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """``numel`` elements of a buffer kept in ``cache`` per (dtype, device), grown as needed:
+    one allocation (and one round of page faults) for a whole call's send buffers."""
+    buf = cache.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        cache.pop((dtype, device), None)
+        del buf
+        buf = cache[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _pack_scalar(t: torch.Tensor) -> tuple[torch.dtype, bytes]:
+    """A 0-dim tensor as (dtype, its bytes): pickles in microseconds, unlike a tensor."""
+    return t.dtype, t.detach().cpu().reshape(1).view(torch.uint8).numpy().tobytes()
+
+
+def _unpack_scalar(packed: tuple[torch.dtype, bytes]) -> torch.Tensor:
+    dtype, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(()).clone()
+
+
+def _allgather_units_state_info(
+    units: list[tuple[FSDPParamInfo, dict[str, Any]]],
+) -> list[list[dict[str, StateInfo]] | None]:
+    """torch's ``_allgather_state_info`` for every sharded unit at once.
+
+    torch runs one ``all_gather_object`` per unit (a synchronisation and a
+    pickle of every ``step`` tensor each); here every unit of a process
+    group travels in one, with 0-dim tensors as raw bytes. The result per
+    unit is what torch's would be (None for units that are not sharded).
+    """
+    payload: list[Any] = []
+    by_pg: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
+    for j, (info, states) in enumerate(units):
+        if not _is_sharded(info.state):
+            payload.append(None)
+            continue
+        processed = {}
+        for fqn, optim_state in states.items():
+            tensors, scalars, others = {}, {}, {}
+            for name, value in sorted_items(optim_state):
+                if torch.is_tensor(value) and value.dim() == 0:
+                    scalars[name] = _pack_scalar(value)
+                elif torch.is_tensor(value):
+                    tensors[name] = (tuple(value.shape), value.dtype)
+                else:
+                    others[name] = value
+            processed[fqn] = (tensors, scalars, others)
+        payload.append(processed)
+        pg = info.state.process_group
+        by_pg.setdefault(id(pg), (pg, []))[1].append(j)
+    out: list[list[dict[str, StateInfo]] | None] = [None] * len(units)
+    # Groups in the order of their first unit, the same on every rank.
+    for pg, idxs in by_pg.values():
+        every: list[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(every, [payload[j] for j in idxs], group=pg)
+        for pos, j in enumerate(idxs):
+            out[j] = [
+                {
+                    fqn: StateInfo(
+                        {n: _PosDimTensorInfo(torch.Size(sh), dt) for n, (sh, dt) in t.items()},
+                        {n: _unpack_scalar(v) for n, v in sc.items()},
+                        others,
+                    )
+                    for fqn, (t, sc, others) in per_rank[pos].items()
+                }
+                for per_rank in every
+            ]
+    return out
+
+
 def _gather_orig_unit(
     info: FSDPParamInfo,
     input_states: dict[str, Any],
+    gathered_info: list[dict[str, StateInfo]] | None,
     shard_state: bool,
     to_save: bool,
     cpu_offload: bool,
     to_rank0: bool,
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
 ) -> dict[str, Any]:
-    """One unit's local per-parameter pieces (``use_orig_params=True``) -> full state."""
+    """One unit's local per-parameter pieces (``use_orig_params=True``) -> full state.
+
+    The flat shard each gather sends is packed into ``scratch``, one buffer
+    reused by every unit and state name (the results never alias it).
+    """
     fsdp_state = info.state
     if not _is_sharded(fsdp_state):
         return input_states if to_save else {}
-    gathered_info = _allgather_state_info(fsdp_state, input_states)
+    assert gathered_info is not None
     output_states: dict[str, dict[str, Any]] = {fqn: {} for fqn in input_states}
     dtype, state_buffers = _convert_all_state_info(info, gathered_info, input_states, output_states)
     if state_buffers:
@@ -406,7 +488,7 @@ def _gather_orig_unit(
                         value = _sharded_tensor(fsdp_state, chunks[idx], layout.shapes[idx])
                         output_states[fqn][name] = value.cpu() if cpu_offload else value
                 continue
-            local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            local = _scratch(scratch, layout.shard_numel, dtype, device)
             _flatops.pack_local_into(layout, pieces, local)
             full = _gather_flat(local, layout, fsdp_state.process_group, to_rank0, repr(name))
             del local
@@ -465,8 +547,8 @@ def _convert_state_with_orig_params(
             out[name] = copy.copy(osd_state[cast(int | str, param_key)])
             if cpu_offload:
                 _offload(out[name])
-    for states in units.values():
-        info = fqn_to_info[next(iter(states))]
+    infos = [fqn_to_info[next(iter(states))] for states in units.values()]
+    for info, states in zip(infos, units.values()):
         if len(info.param_requires_grad) <= 0:
             raise AssertionError(
                 "With use_orig_params, FSDPParamInfo should have requires_grad "
@@ -480,7 +562,14 @@ def _convert_state_with_orig_params(
                 f"keys {sorted(info.param_indices.keys())} while the optimizer has the "
                 f"param keys {sorted(states.keys())}."
             )
-        out.update(_gather_orig_unit(info, states, shard_state, to_save, cpu_offload, to_rank0))
+    gathered = _allgather_units_state_info(list(zip(infos, units.values())))
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for info, states, unit_info in zip(infos, units.values(), gathered):
+        out.update(
+            _gather_orig_unit(
+                info, states, unit_info, shard_state, to_save, cpu_offload, to_rank0, scratch
+            )
+        )
     return out
 
 
