@@ -19,7 +19,13 @@ Load (per-parameter state -> this rank's flat shard):
     each parameter inside the shard is copied, nothing full is built;
   * with ``rank0_only`` rank 0 builds one unit's padded flat state for one
     state name at a time and ``scatter``s it, instead of broadcasting every
-    full tensor to every rank.
+    full tensor to every rank;
+  * a SHARDED state (ShardedTensor / DTensor values in torch's dim-0 chunk
+    layout) is loaded with one ``all_to_all_single`` per unit and state name,
+    the save's plan run backwards, so each rank receives only its shard
+    (NO_SHARD: one all-gather); values in any other layout are gathered, as
+    torch does. One small all-reduce first makes every rank agree on the
+    input's structure, so a bad input raises everywhere instead of hanging.
 
 Key discovery, re-keying and ``param_groups`` use torch's own helpers, so they
 equal torch's by construction. Layout and bulk copies go through ``_flatops``.
