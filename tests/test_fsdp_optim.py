@@ -620,6 +620,42 @@ def test_sharded_load_no_shard(run_distributed) -> None:
             assert counts == want, (rank, use_orig_params, kind, counts)
 
 
+def _state_dict_route(rank: int, world_size: int) -> list[dict[str, int]]:
+    """shardstate.checkpoint.state_dict's sharded get/set on FSDP1 (what a DCP
+    resume runs) goes through the chunk exchange, and round-trips."""
+    from shardstate.checkpoint import state_dict as ssd
+
+    cm = _quiet()
+    try:
+        out = []
+        for use_orig_params in (False, True):
+            model, optim = _setup(rank, use_orig_params, "adam")
+            before = copy.deepcopy(optim.state_dict())
+            osd = ssd.get_optimizer_state_dict(model, optim)
+            values = [v for s in osd["state"].values() for v in s.values()]
+            assert any(isinstance(v, ShardedTensor) for v in values)
+            optim.load_state_dict(
+                {"state": {}, "param_groups": copy.deepcopy(before["param_groups"])}
+            )
+            out.append(
+                _count_collectives(lambda: ssd.set_optimizer_state_dict(model, optim, osd))
+            )
+            _same_loadable(optim.state_dict(), before, f"use_orig_params={use_orig_params}")
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(300)
+def test_set_optimizer_state_dict_uses_the_exchange(run_distributed) -> None:
+    for rank, per_flag in enumerate(run_distributed(_state_dict_route, 3)):
+        for counts in per_flag:
+            assert counts.get("all_to_all_single") == 6, (rank, counts)
+            assert not {"all_gather", "all_gather_single", "all_gather_into_tensor"} & set(
+                counts
+            ), (rank, counts)
+
+
 def _relayout(saved: dict[str, Any], how: str, rank: int, world_size: int) -> dict[str, Any]:
     """torch's SHARDED save with every ShardedTensor re-laid out (same values)."""
     from torch.distributed._state_dict_utils import _gather_state_dict

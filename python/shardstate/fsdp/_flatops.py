@@ -15,6 +15,8 @@ bulk copies are C copy jobs run with the GIL released:
     pack_local_segments_into  the all-to-all send buffer straight from those parts
     pack_segments(_many) flatten_many over layouts whose "parameters" are the segments
     place_many           the reverse: pieces written at given offsets, the gaps zeroed
+    pack_chunks_into     dim0_plan backwards: dim-0 chunks -> what a sharded load sends
+    shard_pieces         ... and where the received pieces go in the flat shard
     dim0_chunk_numels    torch.chunk(param, W, dim=0)'s sizes, per parameter and rank
     slice_local          one torch copy (a single slice; as one C batch per unit it
                          measured ~1.3x slower than torch's clone single-threaded)
@@ -64,6 +66,8 @@ __all__ = [
     "pack_segments_many",
     "place_many",
     "dim0_chunk_numels",
+    "pack_chunks_into",
+    "shard_pieces",
     "slice_local",
     "unflatten",
     "unit_layout",
@@ -499,4 +503,49 @@ def dim0_chunk_numels(shapes: Sequence[torch.Size], world_size: int) -> list[lis
             c = _chunk_numel(n, shape[0], world_size)
             row.append(max(0, min(c, n - r * c)))
         out.append(row)
+    return out
+
+
+def pack_chunks_into(
+    plan: Dim0Plan, chunks: Sequence[torch.Tensor | None], out: torch.Tensor
+) -> None:
+    """``plan`` backwards, first half: every parameter's dim-0 chunk
+    (``chunks[i]``, None for zeros) into ``out``, laid out as the save's
+    receive buffer (``recv_segments``), i.e. what a sharded load sends to
+    each rank (``recv_sizes[d]`` elements to rank ``d``). One C batch."""
+    if len(chunks) != len(plan.chunk_numels):
+        raise ValueError(f"expected {len(plan.chunk_numels)} chunks, got {len(chunks)}")
+    if out.dim() != 1 or out.numel() != sum(plan.recv_sizes):
+        raise ValueError(
+            f"the send buffer needs {sum(plan.recv_sizes)} elements, got shape {tuple(out.shape)}"
+        )
+    items = []
+    for i, (c, segs) in enumerate(zip(chunks, plan.recv_segments)):
+        if c is None:
+            continue
+        if c.numel() != plan.chunk_numels[i]:
+            raise ValueError(
+                f"parameter {i}'s chunk has {c.numel()} elements, expected {plan.chunk_numels[i]}"
+            )
+        flat, at = c.reshape(-1), 0
+        for pos, k in segs:
+            items.append((pos, flat[at : at + k]))
+            at += k
+    place_many([(out, items)])
+
+
+def shard_pieces(plan: Dim0Plan, recv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``plan`` backwards, second half: a received buffer (laid out as the
+    save's send buffer, ``send_sizes[s]`` elements from rank ``s``) as
+    ``(offset in this rank's flat shard, view of recv)`` pairs; the rest of
+    the shard is padding. ``place_many`` writes them."""
+    if recv.dim() != 1 or recv.numel() != sum(plan.send_sizes):
+        raise ValueError(
+            f"the receive buffer needs {sum(plan.send_sizes)} elements, "
+            f"got shape {tuple(recv.shape)}"
+        )
+    out, pos = [], 0
+    for off, n in plan.send_segments:
+        out.append((off, recv[pos : pos + n]))
+        pos += n
     return out

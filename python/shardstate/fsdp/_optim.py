@@ -894,23 +894,10 @@ def _exchange_chunks(
         plan = _flatops.dim0_plan(layout)
         assert plan is not None
         send = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
-        items = []
-        for i, segs in enumerate(plan.recv_segments):
-            c = chunks[i]
-            if c is None:
-                continue
-            flat, at = c.reshape(-1), 0
-            for pos, k in segs:
-                items.append((pos, flat[at : at + k]))
-                at += k
-        _flatops.place_many([(send, items)])
+        _flatops.pack_chunks_into(plan, chunks, send)
         recv = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
         dist.all_to_all_single(recv, send, list(plan.send_sizes), list(plan.recv_sizes), group=pg)
-        out, pos = [], 0
-        for off, n in plan.send_segments:
-            out.append((off, recv[pos : pos + n]))
-            pos += n
-        return out
+        return _flatops.shard_pieces(plan, recv)
     per_rank = sum(numels[0])  # rank 0 holds the largest chunks
     send = torch.empty(per_rank, dtype=dtype, device=device)
     items, pos = [], 0
