@@ -616,7 +616,7 @@ def test_sharded_load_no_shard(run_distributed) -> None:
     for rank, results in enumerate(per_rank):
         for use_orig_params, kind, counts in results:
             states = 2 if kind == "adam" else 1
-            want = {"all_gather_into_tensor": 3 * states, "all_reduce": 1}
+            want = {"all_gather_single": 3 * states, "all_reduce": 1}
             assert counts == want, (rank, use_orig_params, kind, counts)
 
 

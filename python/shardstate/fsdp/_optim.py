@@ -908,7 +908,7 @@ def _exchange_chunks(
     _flatops.place_many([(send, items)])
     if ws > 1:
         every = torch.empty(ws * per_rank, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(every, send, group=pg)
+        dist.all_gather_single(every, send, group=pg)
     else:
         every = send
     out = []
