@@ -10,6 +10,7 @@ repeat) on:
   full gather   optim_state_dict, FULL_STATE_DICT, rank0_only=True, offload
   sharded save  optim_state_dict, SHARDED_STATE_DICT
   full load     optim_state_dict_to_load of a full state held by every rank
+  sharded load  optim_state_dict_to_load of a SHARDED state (dim-0 ShardedTensors)
 
 Time is the slowest rank's wall time (median of --repeat). Peak memory is
 each rank's peak RSS above its RSS before the call (VmHWM after a reset),
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from shardstate.testing import run_distributed  # noqa: E402
 
-OPS = ("full gather", "sharded save", "full load")
+OPS = ("full gather", "sharded save", "full load", "sharded load")
 
 
 def _rss_peak_reset() -> None:
@@ -160,6 +161,8 @@ def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: b
     impls = {"torch": FSDP, "shardstate": ssf}
     _set(model, "full")
     full = ssf.optim_state_dict(model, optim)  # the input of "full load", on every rank
+    _set(model, "sharded")
+    sharded = ssf.optim_state_dict(model, optim)  # the input of "sharded load"
     res: dict = {"params": nparams}
     for r in range(repeat):
         order = ("torch", "shardstate") if r % 2 == 0 else ("shardstate", "torch")
@@ -172,9 +175,12 @@ def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: b
                 elif op == "sharded save":
                     _set(model, "sharded")
                     fn = lambda: impl.optim_state_dict(model, optim)  # noqa: E731
-                else:
+                elif op == "full load":
                     _set(model, "full")
                     fn = lambda: impl.optim_state_dict_to_load(model, optim, full)  # noqa: E731
+                else:
+                    _set(model, "sharded")
+                    fn = lambda: impl.optim_state_dict_to_load(model, optim, sharded)  # noqa: E731
                 out, dt, peak, nbytes = _measure(fn)
                 del out
                 res.setdefault((name, op, "s"), []).append(dt)

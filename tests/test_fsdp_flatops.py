@@ -157,6 +157,64 @@ def test_dim0_all_to_all_simulated(shapes, world_size, align, dtype, seed) -> No
             assert torch.equal(chunks[i], want), (i, me)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=shapes_st,
+    world_size=st.integers(2, 5),
+    align=st.sampled_from([0, 4]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_dim0_all_to_all_backwards_simulated(shapes, world_size, align, dtype, seed) -> None:
+    # A sharded load: every rank holds torch.chunk(param, W, dim=0)[rank] of
+    # every parameter (one may have no state: zeros); after the reverse
+    # all-to-all each rank's flat shard must equal flatten_shard_into's.
+    handle = _handle(shapes, world_size, align)
+    missing = seed % (len(shapes) + 1)
+    pieces = _pieces(shapes, dtype, seed, missing if missing < len(shapes) else None)
+    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
+    plans = [_flatops.dim0_plan(lay) for lay in layouts]
+    sends = []
+    for me, plan in enumerate(plans):
+        chunks = [
+            None if p is None else torch.chunk(p, world_size, dim=0)[me]
+            if me < len(torch.chunk(p, world_size, dim=0))
+            else p.new_empty((0, *p.shape[1:]))
+            for p in pieces
+        ]
+        send = torch.full((sum(plan.recv_sizes),), 7, dtype=dtype)
+        _flatops.pack_chunks_into(plan, chunks, send)
+        sends.append(list(send.split(list(plan.recv_sizes))))
+    for me, (lay, plan) in enumerate(zip(layouts, plans)):
+        recv = torch.cat([sends[s][me] for s in range(world_size)])
+        shard = torch.full((lay.shard_numel,), 7, dtype=dtype)
+        _flatops.place_many([(shard, _flatops.shard_pieces(plan, recv))])
+        want = torch.empty(lay.shard_numel, dtype=dtype)
+        _flatops.flatten_shard_into(lay, pieces, me, want)
+        assert torch.equal(shard, want), me
+
+
+def test_place_many_and_chunk_numels() -> None:
+    out = torch.full((8,), 7.0)
+    _flatops.place_many([(out, [(5, torch.tensor([3.0, 4.0])), (1, torch.tensor([[1.0, 2.0]]))])])
+    assert out.tolist() == [0, 1, 2, 0, 0, 3, 4, 0]
+    with pytest.raises(ValueError, match="overlaps"):
+        _flatops.place_many([(out, [(0, torch.ones(3)), (2, torch.ones(2))])])
+    with pytest.raises(ValueError, match="past out's 8 elements"):
+        _flatops.place_many([(out, [(7, torch.ones(2))])])
+    shapes = [torch.Size([5, 2]), torch.Size([1]), torch.Size([4])]
+    chunks = [torch.chunk(torch.empty(s), 3) for s in shapes]
+    assert _flatops.dim0_chunk_numels(shapes, 3) == [
+        [c[r].numel() if r < len(c) else 0 for c in chunks] for r in range(3)
+    ]
+    assert _flatops.dim0_chunk_numels([torch.Size([0, 2])], 2) is None
+    plan = _flatops.dim0_plan(_flatops.unit_layout(_handle([(4,), (3,)], 2, 0), 2, 0, True))
+    with pytest.raises(ValueError, match="chunk has 1 elements, expected 2"):
+        _flatops.pack_chunks_into(plan, [torch.ones(1), None], torch.empty(4))
+    with pytest.raises(ValueError, match="receive buffer needs"):
+        _flatops.shard_pieces(plan, torch.empty(1))
+
+
 def test_no_shard_aligned_world_padding_is_zeroed() -> None:
     # NO_SHARD over 3 ranks, use_orig_params=True: torch's flat parameter is
     # padded to a multiple of the world size; the local state is all of it.

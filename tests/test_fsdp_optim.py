@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.tensor import DTensor
 
 import shardstate.fsdp as ssf
 from shardstate.fsdp import (
@@ -74,10 +76,12 @@ class Nested(nn.Module):
         return self.head(self.frozen(h))
 
 
-def _wrap(use_orig_params: bool) -> nn.Module:
+def _wrap(use_orig_params: bool, strategy: ShardingStrategy | None = None) -> nn.Module:
     torch.manual_seed(0)
     model = Nested()
-    kw = dict(device_id=CPU, use_orig_params=use_orig_params)
+    kw: dict[str, Any] = dict(device_id=CPU, use_orig_params=use_orig_params)
+    if strategy is not None:
+        kw["sharding_strategy"] = strategy
     model.block1 = FSDP(model.block1, **kw)
     model.block2 = FSDP(model.block2, **kw)
     if not use_orig_params:
@@ -109,8 +113,10 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, rank: int, steps: int
         optim.zero_grad()
 
 
-def _setup(rank: int, use_orig_params: bool, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = _wrap(use_orig_params)
+def _setup(
+    rank: int, use_orig_params: bool, kind: str, strategy: ShardingStrategy | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _wrap(use_orig_params, strategy)
     optim = _optimizer(model, kind)
     _train(model, optim, rank)
     return model, optim
@@ -201,9 +207,13 @@ def _aliased(osd: dict[str, Any]) -> bool:
     )
 
 
-def _torch_aliases(use_orig_params: bool, kind: str, world_size: int) -> bool:
-    """Whether torch's full save with offload_to_cpu=True returns aliased state here."""
-    return use_orig_params and world_size > 1 and kind in ("adam", "adamw")
+def _torch_aliases(
+    use_orig_params: bool, kind: str, world_size: int, strategy: ShardingStrategy | None = None
+) -> bool:
+    """Whether torch's full save with offload_to_cpu=True returns aliased state here
+    (NO_SHARD gathers nothing, so nothing is aliased)."""
+    sharded = world_size > 1 and strategy != ShardingStrategy.NO_SHARD
+    return use_orig_params and sharded and kind in ("adam", "adamw")
 
 
 def _quiet() -> warnings.catch_warnings:
@@ -220,8 +230,14 @@ def _quiet() -> warnings.catch_warnings:
 # ---------------------------------------------------------------------------
 
 
-def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) -> int:
-    model, optim = _setup(rank, use_orig_params, kind)
+def _check_case(
+    rank: int,
+    world_size: int,
+    use_orig_params: bool,
+    kind: str,
+    strategy: ShardingStrategy | None = None,
+) -> int:
+    model, optim = _setup(rank, use_orig_params, kind, strategy)
     local = copy.deepcopy(optim.state_dict())
     checks = 0
 
@@ -244,7 +260,7 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         ours = ssf.optim_state_dict(model, optim)
         where = f"optim_state_dict(sharded={sharded}, rank0_only={rank0_only}, offload={offload})"
         torch_aliased = (
-            _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+            _torch_aliases(use_orig_params, kind, world_size, strategy) and offload and not sharded
         )
         if torch_aliased:
             # Collective: every rank asks torch for the right numbers.
@@ -275,7 +291,11 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
         )
         theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(theirs_sd))
         for src_name, src in (("our save", ours_sd), ("torch's save", theirs_sd)):
-            aliased = _torch_aliases(use_orig_params, kind, world_size) and offload and not sharded
+            aliased = (
+                _torch_aliases(use_orig_params, kind, world_size, strategy)
+                and offload
+                and not sharded
+            )
             if aliased and src is theirs_sd:
                 continue  # torch's aliased result is not a state to load
             ours = ssf.optim_state_dict_to_load(model, optim, copy.copy(src))
@@ -299,7 +319,7 @@ def _check_case(rank: int, world_size: int, use_orig_params: bool, kind: str) ->
     for r0 in (True, False):
         ours = ssf.full_optim_state_dict(model, optim, rank0_only=r0)
         theirs = FSDP.full_optim_state_dict(model, optim, rank0_only=r0)
-        if _torch_aliases(use_orig_params, kind, world_size) and theirs:
+        if _torch_aliases(use_orig_params, kind, world_size, strategy) and theirs:
             assert _aliased(theirs)
             theirs = saved[(False, False, False)][1]
         assert_same(ours, theirs, f"full_optim_state_dict(rank0_only={r0})")
@@ -371,6 +391,32 @@ def test_matches_torch(run_distributed, world_size: int) -> None:
     assert len(set(checks)) == 1 and checks[0] > 100, checks
 
 
+def _no_shard_matrix(rank: int, world_size: int) -> int:
+    cm = _quiet()
+    try:
+        checks = 0
+        for use_orig_params in (False, True):
+            for kind in ("adam", "sgd_momentum"):
+                try:
+                    checks += _check_case(
+                        rank, world_size, use_orig_params, kind, ShardingStrategy.NO_SHARD
+                    )
+                except AssertionError as e:
+                    raise AssertionError(f"use_orig_params={use_orig_params}, {kind}: {e}") from e
+        return checks
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(600)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_shard_matches_torch(run_distributed, world_size: int) -> None:
+    # ShardingStrategy.NO_SHARD: every rank holds the whole flat state; the
+    # SHARDED state dict still chunks it over the ranks.
+    checks = run_distributed(_no_shard_matrix, world_size)
+    assert len(set(checks)) == 1 and checks[0] > 50, checks
+
+
 # ---------------------------------------------------------------------------
 # Collectives: one per unit and tensor state name; rank0_only gathers/scatters
 # ---------------------------------------------------------------------------
@@ -379,9 +425,11 @@ _COUNTED = (
     "gather",
     "all_gather_single",
     "all_gather",
+    "all_gather_into_tensor",
     "scatter",
     "broadcast",
     "all_to_all_single",
+    "all_reduce",
 )
 
 
@@ -438,11 +486,259 @@ def test_one_collective_per_unit_and_state(run_distributed) -> None:
     for rank, by_flag in enumerate(per_rank):
         for use_orig_params, (r0_save, r0_load, full_save, sharded_save) in by_flag.items():
             where = (rank, use_orig_params)
-            assert r0_save == {"gather": 6}, (where, r0_save)  # no full copy off rank 0
+            # With FlatParameters every save also runs the one all_reduce of
+            # torch's key mapping (_map_param_key_to_optim_keys: keys missing?).
+            key_check = {} if use_orig_params else {"all_reduce": 1}
+            assert r0_save == {"gather": 6, **key_check}, (where, r0_save)  # none full off 0
             assert r0_load == {"scatter": 6}, (where, r0_load)  # no full tensor broadcast
-            assert full_save == {"all_gather_single": 6}, (where, full_save)
+            assert full_save == {"all_gather_single": 6, **key_check}, (where, full_save)
             # Each rank receives only its dim-0 chunks, never the whole unit.
-            assert sharded_save == {"all_to_all_single": 6}, (where, sharded_save)
+            assert sharded_save == {"all_to_all_single": 6, **key_check}, (where, sharded_save)
+
+
+# ---------------------------------------------------------------------------
+# Loading a sharded state: one chunk exchange per unit and state name
+# ---------------------------------------------------------------------------
+
+
+def _wrap_mesh(use_orig_params: bool, world_size: int) -> nn.Module:
+    """``_wrap`` on a device mesh: FSDP1's SHARDED optimizer state is then DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = Nested()
+    kw = dict(device_id=CPU, use_orig_params=use_orig_params, device_mesh=mesh)
+    model.block1 = FSDP(model.block1, **kw)
+    model.block2 = FSDP(model.block2, **kw)
+    if not use_orig_params:
+        model.frozen = FSDP(model.frozen, **kw)
+    return FSDP(model, **kw)
+
+
+def _sharded_load_case(
+    rank: int, world_size: int, mesh: bool, strategy: ShardingStrategy | None = None
+) -> list[Any]:
+    """Load torch's SHARDED save with ours and torch's; count our collectives."""
+    cm = _quiet()
+    try:
+        out = []
+        for use_orig_params in (False, True):
+            for kind in ("adam", "sgd_momentum"):
+                if mesh:
+                    model = _wrap_mesh(use_orig_params, world_size)
+                    optim = _optimizer(model, kind)
+                    _train(model, optim, rank)
+                else:
+                    model, optim = _setup(rank, use_orig_params, kind, strategy)
+                _set_type(model, True)
+                saved = FSDP.optim_state_dict(model, optim)
+                where = f"mesh={mesh} use_orig_params={use_orig_params} {kind}"
+                values = [v for s in saved["state"].values() for v in s.values()]
+                want = DTensor if mesh else ShardedTensor
+                # torch keeps plain tensors at world size 1 and (use_orig_params) NO_SHARD
+                plain = world_size == 1 or (use_orig_params and strategy is not None)
+                assert plain or any(isinstance(v, want) for v in values), where
+                if world_size > 1 and plain:
+                    # Chunk them anyway: a sharded state from elsewhere loads too.
+                    from torch.distributed.fsdp._shard_utils import (
+                        _create_chunk_sharded_tensor as chunked,
+                    )
+
+                    saved["state"] = {
+                        fqn: {
+                            n: chunked(v, rank, world_size, 1, dist.group.WORLD)
+                            if v.dim() > 0
+                            else v
+                            for n, v in state.items()
+                        }
+                        for fqn, state in saved["state"].items()
+                    }
+                theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(saved))
+                ours: dict[str, Any] = {}
+
+                def load(saved: dict[str, Any] = saved, ours: dict[str, Any] = ours) -> None:
+                    ours.update(ssf.optim_state_dict_to_load(model, optim, copy.copy(saved)))
+
+                counts = _count_collectives(load)
+                _same_loadable(ours, theirs, where)
+                flat_ours = ssf.flatten_sharded_optim_state_dict(saved, model, optim)
+                flat_theirs = FSDP.flatten_sharded_optim_state_dict(saved, model, optim)
+                _same_loadable(flat_ours, flat_theirs, where + " flatten_sharded")
+                optim.load_state_dict(ours)
+                after_ours = copy.deepcopy(optim.state_dict())
+                optim.load_state_dict(theirs)
+                assert_same(after_ours, optim.state_dict(), where + " loaded")
+                out.append((use_orig_params, kind, counts))
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(300)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_load_one_exchange_per_unit_and_state(run_distributed, world_size: int) -> None:
+    # Units with state: block1, block2 and the root -> 3; tensor states:
+    # Adam 2, SGD with momentum 1. One all-to-all each, plus one small
+    # all-reduce per call in which the ranks agree on the input's structure;
+    # nothing is gathered.
+    per_rank = run_distributed(_sharded_load_case, world_size, False)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 4
+        for use_orig_params, kind, counts in results:
+            states = 2 if kind == "adam" else 1
+            want = {"all_to_all_single": 3 * states, "all_reduce": 1} if world_size > 1 else {}
+            assert counts == want, (rank, use_orig_params, kind, counts)
+
+
+@pytest.mark.distributed_timeout(300)
+def test_sharded_load_from_dtensors(run_distributed) -> None:
+    # FSDP1 on a device mesh keeps SHARDED optimizer state as DTensors.
+    per_rank = run_distributed(_sharded_load_case, 3, True)
+    for rank, results in enumerate(per_rank):
+        for use_orig_params, kind, counts in results:
+            states = 2 if kind == "adam" else 1
+            assert counts == {"all_to_all_single": 3 * states, "all_reduce": 1}, (
+                rank,
+                use_orig_params,
+                kind,
+                counts,
+            )
+
+
+@pytest.mark.distributed_timeout(300)
+def test_sharded_load_no_shard(run_distributed) -> None:
+    # NO_SHARD: every rank needs the whole flat state, so the chunks of each
+    # unit and state name travel in one all-gather instead.
+    # (With use_orig_params torch's NO_SHARD sharded state is plain tensors;
+    # the case chunks them itself.)
+    per_rank = run_distributed(_sharded_load_case, 2, False, ShardingStrategy.NO_SHARD)
+    for rank, results in enumerate(per_rank):
+        for use_orig_params, kind, counts in results:
+            states = 2 if kind == "adam" else 1
+            want = {"all_gather_single": 3 * states, "all_reduce": 1}
+            assert counts == want, (rank, use_orig_params, kind, counts)
+
+
+def _state_dict_route(rank: int, world_size: int) -> list[dict[str, int]]:
+    """shardstate.checkpoint.state_dict's sharded get/set on FSDP1 (what a DCP
+    resume runs) goes through the chunk exchange, and round-trips."""
+    from shardstate.checkpoint import state_dict as ssd
+
+    cm = _quiet()
+    try:
+        out = []
+        for use_orig_params in (False, True):
+            model, optim = _setup(rank, use_orig_params, "adam")
+            before = copy.deepcopy(optim.state_dict())
+            osd = ssd.get_optimizer_state_dict(model, optim)
+            values = [v for s in osd["state"].values() for v in s.values()]
+            assert any(isinstance(v, ShardedTensor) for v in values)
+            optim.load_state_dict(
+                {"state": {}, "param_groups": copy.deepcopy(before["param_groups"])}
+            )
+            out.append(
+                _count_collectives(lambda: ssd.set_optimizer_state_dict(model, optim, osd))
+            )
+            _same_loadable(optim.state_dict(), before, f"use_orig_params={use_orig_params}")
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(300)
+def test_set_optimizer_state_dict_uses_the_exchange(run_distributed) -> None:
+    for rank, per_flag in enumerate(run_distributed(_state_dict_route, 3)):
+        for counts in per_flag:
+            assert counts.get("all_to_all_single") == 6, (rank, counts)
+            assert not {"all_gather", "all_gather_single", "all_gather_into_tensor"} & set(
+                counts
+            ), (rank, counts)
+
+
+def _relayout(saved: dict[str, Any], how: str, rank: int, world_size: int) -> dict[str, Any]:
+    """torch's SHARDED save with every ShardedTensor re-laid out (same values)."""
+    from torch.distributed._state_dict_utils import _gather_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    full = _gather_state_dict(saved)
+    out: dict[str, Any] = {"state": {}, "param_groups": saved["param_groups"]}
+    mesh = init_device_mesh("cpu", (world_size,)) if how == "replicate" else None
+    for fqn, state in saved["state"].items():
+        new = {}
+        for name, v in state.items():
+            if not isinstance(v, ShardedTensor):
+                new[name] = v
+            elif how == "replicate":
+                new[name] = DTensor.from_local(full["state"][fqn][name], mesh, [Replicate()])
+            elif how == "reversed":
+                # dim-0 chunks, but rank k holds chunk W-1-k: not torch's layout
+                from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+                from torch.distributed._shard.api import _shard_tensor
+
+                spec = ChunkShardingSpec(
+                    dim=0, placements=[f"rank:{world_size - 1 - k}/cpu" for k in range(world_size)]
+                )
+                new[name] = _shard_tensor(full["state"][fqn][name].contiguous(), spec)
+            elif how == "bad_local" and rank == 1 and v.local_shards():
+                # Shard checks sizes when built; a later change goes unchecked.
+                v.local_shards()[0].tensor = v.local_shards()[0].tensor.double()
+                new[name] = v
+            else:
+                new[name] = v
+        out["state"][fqn] = new
+    if how == "bad_structure" and rank == 1:
+        out["state"].pop(next(iter(out["state"])))
+    return out
+
+
+def _relayout_case(rank: int, world_size: int) -> list[Any]:
+    cm = _quiet()
+    try:
+        out = []
+        for use_orig_params in (False, True):
+            model, optim = _setup(rank, use_orig_params, "adam")
+            _set_type(model, True)
+            for how in ("replicate", "reversed"):
+                saved = _relayout(FSDP.optim_state_dict(model, optim), how, rank, world_size)
+                theirs = FSDP.optim_state_dict_to_load(model, optim, copy.copy(saved))
+                ours: dict[str, Any] = {}
+
+                def load(saved: dict[str, Any] = saved, ours: dict[str, Any] = ours) -> None:
+                    ours.update(ssf.optim_state_dict_to_load(model, optim, copy.copy(saved)))
+
+                counts = _count_collectives(load)
+                _same_loadable(ours, theirs, f"{how} use_orig_params={use_orig_params}")
+                out.append(counts.get("all_to_all_single", 0))
+            for how in ("bad_local", "bad_structure"):
+                saved = _relayout(FSDP.optim_state_dict(model, optim), how, rank, world_size)
+                try:
+                    ssf.optim_state_dict_to_load(model, optim, saved)
+                except ValueError as e:
+                    out.append(str(e))
+                else:
+                    out.append("loaded")
+        return out
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.mark.distributed_timeout(300)
+def test_sharded_load_other_layouts_gather_and_bad_input_raises(run_distributed) -> None:
+    per_rank = run_distributed(_relayout_case, 3)
+    for rank, results in enumerate(per_rank):
+        for flag in range(2):
+            replicate, reversed_, bad_local, bad_structure = results[4 * flag : 4 * flag + 4]
+            # Not torch's dim-0 chunk layout: gathered (equal to torch), no exchange.
+            assert replicate == 0 and reversed_ == 0, (rank, results)
+            # A local shard that contradicts its metadata (on rank 1 only), or a
+            # structure that differs between ranks: every rank raises, none hangs.
+            if rank == 1:
+                assert "does not match its metadata:" in bad_local, bad_local
+            else:
+                assert "another rank holds sharded optimizer state" in bad_local, bad_local
+            assert "differs between ranks" in bad_structure, bad_structure
 
 
 # ---------------------------------------------------------------------------

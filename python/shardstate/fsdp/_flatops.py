@@ -14,6 +14,10 @@ bulk copies are C copy jobs run with the GIL released:
     pack_local_into      FlatLayout.flatten of (piece, intra_param_start_idx) parts
     pack_local_segments_into  the all-to-all send buffer straight from those parts
     pack_segments(_many) flatten_many over layouts whose "parameters" are the segments
+    place_many           the reverse: pieces written at given offsets, the gaps zeroed
+    pack_chunks_into     dim0_plan backwards: dim-0 chunks -> what a sharded load sends
+    shard_pieces         ... and where the received pieces go in the flat shard
+    dim0_chunk_numels    torch.chunk(param, W, dim=0)'s sizes, per parameter and rank
     slice_local          one torch copy (a single slice; as one C batch per unit it
                          measured ~1.3x slower than torch's clone single-threaded)
 
@@ -60,6 +64,10 @@ __all__ = [
     "pack_local_segments_into",
     "pack_segments",
     "pack_segments_many",
+    "place_many",
+    "dim0_chunk_numels",
+    "pack_chunks_into",
+    "shard_pieces",
     "slice_local",
     "unflatten",
     "unit_layout",
@@ -444,3 +452,100 @@ def pack_segments(
 ) -> None:
     """``out`` = the concatenation of ``src[off:off+n]`` for each segment."""
     pack_segments_many([(src, segments, out)])
+
+
+def place_many(
+    jobs: Sequence[tuple[torch.Tensor, Sequence[tuple[int, torch.Tensor]]]],
+) -> None:
+    """``out[dst : dst + src.numel()] = src.flatten()`` for every ``(dst, src)``
+    of every ``(out, items)`` job, the rest of ``out`` zero, as one C batch
+    (the pieces and the gaps between them are the "parameters" of a one-rank
+    flat layout whose flat buffer is ``out``). Items may come in any order
+    but must not overlap; every source has ``out``'s dtype."""
+    cjobs = []
+    for out, items in jobs:
+        if out.dim() != 1:
+            raise ValueError("place_many: out must be 1-D")
+        sizes: list[int] = []
+        pieces: list[Any] = []
+        pos = 0
+        for dst, src in sorted(((d, s) for d, s in items if s.numel()), key=lambda x: x[0]):
+            if dst < pos:
+                raise ValueError(f"place_many: a piece at {dst} overlaps the one ending at {pos}")
+            if dst > pos:
+                sizes.append(dst - pos)
+                pieces.append(None)
+            src = _src(src)
+            sizes.append(src.numel())
+            pieces.append(src.reshape(-1))
+            pos = dst + src.numel()
+        if pos > out.numel():
+            raise ValueError(f"place_many: pieces reach {pos}, past out's {out.numel()} elements")
+        if pos < out.numel():
+            sizes.append(out.numel() - pos)
+            pieces.append(None)
+        if sizes:
+            cjobs.append((FlatLayout(sizes, 1), 0, pieces, out))
+    if cjobs:
+        _run_flatten(cjobs)
+
+
+def dim0_chunk_numels(shapes: Sequence[torch.Size], world_size: int) -> list[list[int]] | None:
+    """``numels[r][i]``: elements of ``torch.chunk(param_i, world_size, dim=0)[r]``
+    (0 past the last chunk); None if a parameter has no dim 0 to chunk."""
+    if any(len(s) == 0 or s[0] == 0 for s in shapes):
+        return None
+    out = []
+    for r in range(world_size):
+        row = []
+        for shape in shapes:
+            n = math.prod(shape)
+            c = _chunk_numel(n, shape[0], world_size)
+            row.append(max(0, min(c, n - r * c)))
+        out.append(row)
+    return out
+
+
+def pack_chunks_into(
+    plan: Dim0Plan, chunks: Sequence[torch.Tensor | None], out: torch.Tensor
+) -> None:
+    """``plan`` backwards, first half: every parameter's dim-0 chunk
+    (``chunks[i]``, None for zeros) into ``out``, laid out as the save's
+    receive buffer (``recv_segments``), i.e. what a sharded load sends to
+    each rank (``recv_sizes[d]`` elements to rank ``d``). One C batch."""
+    if len(chunks) != len(plan.chunk_numels):
+        raise ValueError(f"expected {len(plan.chunk_numels)} chunks, got {len(chunks)}")
+    if out.dim() != 1 or out.numel() != sum(plan.recv_sizes):
+        raise ValueError(
+            f"the send buffer needs {sum(plan.recv_sizes)} elements, got shape {tuple(out.shape)}"
+        )
+    items = []
+    for i, (c, segs) in enumerate(zip(chunks, plan.recv_segments)):
+        if c is None:
+            continue
+        if c.numel() != plan.chunk_numels[i]:
+            raise ValueError(
+                f"parameter {i}'s chunk has {c.numel()} elements, expected {plan.chunk_numels[i]}"
+            )
+        flat, at = c.reshape(-1), 0
+        for pos, k in segs:
+            items.append((pos, flat[at : at + k]))
+            at += k
+    place_many([(out, items)])
+
+
+def shard_pieces(plan: Dim0Plan, recv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``plan`` backwards, second half: a received buffer (laid out as the
+    save's send buffer, ``send_sizes[s]`` elements from rank ``s``) as
+    ``(offset in this rank's flat shard, view of recv)`` pairs; the rest of
+    the shard is padding. ``place_many`` writes them."""
+    if recv.dim() != 1 or recv.numel() != sum(plan.send_sizes):
+        raise ValueError(
+            f"the receive buffer needs {sum(plan.send_sizes)} elements, "
+            f"got shape {tuple(recv.shape)}"
+        )
+    out, pos = [], 0
+    for off, n in plan.send_segments:
+        out.append((off, recv[pos : pos + n]))
+        pos += n
+    return out

@@ -19,7 +19,13 @@ Load (per-parameter state -> this rank's flat shard):
     each parameter inside the shard is copied, nothing full is built;
   * with ``rank0_only`` rank 0 builds one unit's padded flat state for one
     state name at a time and ``scatter``s it, instead of broadcasting every
-    full tensor to every rank.
+    full tensor to every rank;
+  * a SHARDED state (ShardedTensor / DTensor values in torch's dim-0 chunk
+    layout) is loaded with one ``all_to_all_single`` per unit and state name,
+    the save's plan run backwards, so each rank receives only its shard
+    (NO_SHARD: one all-gather); values in any other layout are gathered, as
+    torch does. One small all-reduce first makes every rank agree on the
+    input's structure, so a bad input raises everywhere instead of hanging.
 
 Key discovery, re-keying and ``param_groups`` use torch's own helpers, so they
 equal torch's by construction. Layout and bulk copies go through ``_flatops``.
@@ -27,7 +33,9 @@ equal torch's by construction. Layout and bulk copies go through ``_flatops``.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import hashlib
 import itertools
 import math
 import warnings
@@ -49,7 +57,7 @@ from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chu
 from torch.distributed.fsdp._shard_utils import _get_remote_device_str
 from torch.distributed.fsdp._optim_utils import (
     FSDPParamInfo,
-    _allgather_state_info,
+    StateInfo,
     _broadcast_processed_state,
     _broadcast_state,
     _convert_all_state_info,
@@ -75,6 +83,8 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
     _get_fqn_to_param,
     _get_param_to_fqn,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as DShard
 
 from . import _flatops
 from .api import OptimStateKeyType, StateDictType
@@ -372,19 +382,101 @@ def _convert_state_with_flat_params(
     return out
 
 
+def _scratch(
+    cache: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """``numel`` elements of a buffer kept in ``cache`` per (dtype, device), grown as needed:
+    one allocation (and one round of page faults) for a whole call's send buffers."""
+    buf = cache.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        cache.pop((dtype, device), None)
+        del buf
+        buf = cache[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _pack_scalar(t: torch.Tensor) -> tuple[torch.dtype, bytes]:
+    """A 0-dim tensor as (dtype, its bytes): pickles in microseconds, unlike a tensor."""
+    return t.dtype, t.detach().cpu().reshape(1).view(torch.uint8).numpy().tobytes()
+
+
+def _unpack_scalar(packed: tuple[torch.dtype, bytes]) -> torch.Tensor:
+    dtype, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(()).clone()
+
+
+def _allgather_units_state_info(
+    units: list[tuple[FSDPParamInfo, dict[str, Any]]],
+) -> list[list[dict[str, StateInfo]] | None]:
+    """torch's ``_allgather_state_info`` for every sharded unit at once.
+
+    torch runs one ``all_gather_object`` per unit (a synchronisation and a
+    pickle of every ``step`` tensor each); here every unit of a process
+    group travels in one, with 0-dim tensors as raw bytes. The result per
+    unit is what torch's would be (None for units that are not sharded).
+    """
+    payload: list[Any] = []
+    by_pg: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
+    for j, (info, states) in enumerate(units):
+        if not _is_sharded(info.state):
+            payload.append(None)
+            continue
+        processed = {}
+        for fqn, optim_state in states.items():
+            tensors, scalars, others = {}, {}, {}
+            for name, value in sorted_items(optim_state):
+                if torch.is_tensor(value) and value.dim() == 0:
+                    scalars[name] = _pack_scalar(value)
+                elif torch.is_tensor(value):
+                    tensors[name] = (tuple(value.shape), value.dtype)
+                else:
+                    others[name] = value
+            processed[fqn] = (tensors, scalars, others)
+        payload.append(processed)
+        pg = info.state.process_group
+        by_pg.setdefault(id(pg), (pg, []))[1].append(j)
+    out: list[list[dict[str, StateInfo]] | None] = [None] * len(units)
+    # Groups in the order of their first unit, the same on every rank.
+    for pg, idxs in by_pg.values():
+        every: list[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(every, [payload[j] for j in idxs], group=pg)
+        for pos, j in enumerate(idxs):
+            out[j] = [
+                {
+                    fqn: StateInfo(
+                        {n: _PosDimTensorInfo(torch.Size(sh), dt) for n, (sh, dt) in t.items()},
+                        {n: _unpack_scalar(v) for n, v in sc.items()},
+                        others,
+                    )
+                    for fqn, (t, sc, others) in per_rank[pos].items()
+                }
+                for per_rank in every
+            ]
+    return out
+
+
 def _gather_orig_unit(
     info: FSDPParamInfo,
     input_states: dict[str, Any],
+    gathered_info: list[dict[str, StateInfo]] | None,
     shard_state: bool,
     to_save: bool,
     cpu_offload: bool,
     to_rank0: bool,
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
 ) -> dict[str, Any]:
-    """One unit's local per-parameter pieces (``use_orig_params=True``) -> full state."""
+    """One unit's local per-parameter pieces (``use_orig_params=True``) -> full state.
+
+    The flat shard each gather sends is packed into ``scratch``, one buffer
+    reused by every unit and state name (the results never alias it).
+    """
     fsdp_state = info.state
     if not _is_sharded(fsdp_state):
         return input_states if to_save else {}
-    gathered_info = _allgather_state_info(fsdp_state, input_states)
+    assert gathered_info is not None
     output_states: dict[str, dict[str, Any]] = {fqn: {} for fqn in input_states}
     dtype, state_buffers = _convert_all_state_info(info, gathered_info, input_states, output_states)
     if state_buffers:
@@ -402,7 +494,7 @@ def _gather_orig_unit(
                         value = _sharded_tensor(fsdp_state, chunks[idx], layout.shapes[idx])
                         output_states[fqn][name] = value.cpu() if cpu_offload else value
                 continue
-            local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            local = _scratch(scratch, layout.shard_numel, dtype, device)
             _flatops.pack_local_into(layout, pieces, local)
             full = _gather_flat(local, layout, fsdp_state.process_group, to_rank0, repr(name))
             del local
@@ -461,8 +553,8 @@ def _convert_state_with_orig_params(
             out[name] = copy.copy(osd_state[cast(int | str, param_key)])
             if cpu_offload:
                 _offload(out[name])
-    for states in units.values():
-        info = fqn_to_info[next(iter(states))]
+    infos = [fqn_to_info[next(iter(states))] for states in units.values()]
+    for info, states in zip(infos, units.values()):
         if len(info.param_requires_grad) <= 0:
             raise AssertionError(
                 "With use_orig_params, FSDPParamInfo should have requires_grad "
@@ -476,7 +568,14 @@ def _convert_state_with_orig_params(
                 f"keys {sorted(info.param_indices.keys())} while the optimizer has the "
                 f"param keys {sorted(states.keys())}."
             )
-        out.update(_gather_orig_unit(info, states, shard_state, to_save, cpu_offload, to_rank0))
+    gathered = _allgather_units_state_info(list(zip(infos, units.values())))
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for info, states, unit_info in zip(infos, units.values(), gathered):
+        out.update(
+            _gather_orig_unit(
+                info, states, unit_info, shard_state, to_save, cpu_offload, to_rank0, scratch
+            )
+        )
     return out
 
 
@@ -613,27 +712,288 @@ def _scatter_shard(
     return shard
 
 
+# ---------------------------------------------------------------------------
+# Load from a sharded state: every rank's dim-0 chunks -> this rank's flat shard
+# ---------------------------------------------------------------------------
+
+
+def _is_dist_tensor(v: Any) -> bool:
+    return isinstance(v, (ShardedTensor, DTensor))
+
+
+def _dist_shape(v: ShardedTensor | DTensor) -> torch.Size:
+    return torch.Size(v.metadata().size if isinstance(v, ShardedTensor) else v.shape)
+
+
+def _dist_dtype(v: ShardedTensor | DTensor) -> torch.dtype:
+    return v.metadata().tensor_properties.dtype if isinstance(v, ShardedTensor) else v.dtype
+
+
+def _dim0_check(fsdp_state: Any, value: Any, shape: torch.Size) -> tuple[bool, str | None]:
+    """Is ``value`` (a ShardedTensor or DTensor) torch's dim-0 chunks of a
+    ``shape`` tensor over the unit's process group (``torch.chunk(t, W, 0)[r]``
+    on group rank ``r``, as the SHARDED state dict holds it)?
+
+    The answer comes from the value's global metadata only, which every rank
+    holds alike, so every rank takes the same path. The second element says
+    what is wrong with this rank's local shard when the metadata says yes
+    (None: nothing).
+    """
+    if not _is_dist_tensor(value) or len(shape) == 0 or shape[0] == 0:
+        return False, None
+    if _dist_shape(value) != shape:
+        return False, None  # the gather path reports torch's shape error
+    ws, rank, pg = fsdp_state.world_size, fsdp_state.rank, fsdp_state.process_group
+    chunks = torch.empty(shape, device="meta").chunk(ws, dim=0)
+    step = -(-shape[0] // ws)
+    ranks = [dist.get_global_rank(pg, r) for r in range(ws)]
+    want = tuple(chunks[rank].shape) if rank < len(chunks) else (0, *shape[1:])
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        if (
+            mesh.ndim != 1
+            or tuple(value.placements) != (DShard(0),)
+            or mesh.mesh.flatten().tolist() != ranks
+        ):
+            return False, None
+        local = value.to_local()
+        if tuple(local.shape) != want or local.dtype != value.dtype:
+            return True, (
+                f"its DTensor's local tensor is {tuple(local.shape)} {local.dtype}, "
+                f"rank {rank}'s chunk is {want} {value.dtype}"
+            )
+        return True, None
+    md = value.metadata()
+    if len(md.shards_metadata) != len(chunks):
+        return False, None
+    seen = set()
+    for m in md.shards_metadata:
+        off = list(m.shard_offsets)
+        k = off[0] // step
+        if (
+            any(off[1:])
+            or off[0] % step
+            or k >= len(chunks)
+            or k in seen
+            or list(m.shard_sizes) != list(chunks[k].shape)
+            or m.placement is None
+            or m.placement.rank() != ranks[k]
+        ):
+            return False, None
+        seen.add(k)
+    shards = value.local_shards()
+    if rank >= len(chunks):
+        if shards:
+            return True, f"rank {rank} holds {len(shards)} local shards, its chunk is empty"
+        return True, None
+    if (
+        len(shards) != 1
+        or list(shards[0].metadata.shard_offsets) != [rank * step] + [0] * (len(shape) - 1)
+        or tuple(shards[0].tensor.shape) != want
+        or shards[0].tensor.dtype != md.tensor_properties.dtype
+    ):
+        got = [(list(sh.metadata.shard_offsets), tuple(sh.tensor.shape)) for sh in shards]
+        return True, (
+            f"its ShardedTensor's local shards are {got}, rank {rank}'s chunk is "
+            f"{want} at row {rank * step} ({md.tensor_properties.dtype})"
+        )
+    return True, None
+
+
+def _local_chunk(value: ShardedTensor | DTensor) -> torch.Tensor | None:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    shards = value.local_shards()
+    return shards[0].tensor if shards else None
+
+
+def _agree_sharded(
+    fqn_to_info: dict[str, FSDPParamInfo],
+    unflat_state: dict[Any, Any],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """One small all-reduce before a sharded load: every rank must see the
+    same parameters, state names, types, shapes and shard layouts (so every
+    rank runs the same collectives), and no rank's local shard may disagree
+    with its metadata. Otherwise every rank raises, instead of one rank
+    raising while the others wait in a collective."""
+    if dist.get_world_size(group) == 1:
+        return
+    desc: list[str] = []
+    errors: list[str] = []
+    for fqn in sorted(k for k in unflat_state if isinstance(k, str) and k in fqn_to_info):
+        state = unflat_state[fqn]
+        if not isinstance(state, dict):
+            continue
+        info = fqn_to_info[fqn]
+        shape = torch.Size(info.handle.flat_param._shapes[info.param_indices[fqn]])
+        for name in sorted(state, key=str):
+            v = state[name]
+            if _is_dist_tensor(v):
+                ok, err = _dim0_check(info.state, v, shape)
+                kind = f"{type(v).__name__}:{ok}:{_dist_dtype(v)}:{tuple(_dist_shape(v))}"
+                if err is not None:
+                    errors.append(f"state {name!r} of {fqn!r}: {err}")
+            elif torch.is_tensor(v) and v.dim() > 0:
+                kind = f"Tensor:{v.dtype}:{tuple(v.shape)}"
+            else:
+                continue
+            desc.append(f"{fqn}\0{name}\0{kind}")
+    digest = hashlib.blake2b("\n".join(desc).encode(), digest_size=7).digest()
+    h = int.from_bytes(digest, "little")
+    flags = torch.tensor([h, -h, -len(errors)], dtype=torch.int64)
+    flags = flags.to(_get_pg_default_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    lo, hi, bad = (int(x) for x in flags.cpu())
+    if errors:
+        raise ValueError(
+            "sharded optimizer state whose local shard does not match its metadata: "
+            + "; ".join(errors[:4])
+            + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
+        )
+    if bad:
+        raise ValueError(
+            "another rank holds sharded optimizer state whose local shard does not match "
+            "its metadata (that rank's error names it)"
+        )
+    if lo != -hi:
+        raise ValueError(
+            "the sharded optimizer state differs between ranks (parameters, state names, "
+            "types, shapes or shard layouts): every rank must pass the same structure"
+        )
+
+
+def _exchange_chunks(
+    fsdp_state: Any,
+    layout: _flatops.UnitLayout,
+    chunks: list[torch.Tensor | None],
+    dtype: torch.dtype,
+) -> list[tuple[int, torch.Tensor]]:
+    """The inverse of ``_dim0_chunks``, one collective: every rank's dim-0
+    chunks of the unit's parameters (``chunks[i]``, None for zeros) -> the
+    pieces of this rank's local flat state, as ``(offset, piece)`` pairs in
+    the flat shard (or, not sharded, the whole unpadded flat buffer).
+
+    Sharded: one ``all_to_all_single`` on ``dim0_plan`` with the roles
+    swapped (what the save receives is sent, what it sends is received), so
+    every rank receives only its shard. NO_SHARD: one all-gather of every
+    rank's packed chunks (every rank needs the whole unit).
+    """
+    pg, device = fsdp_state.process_group, fsdp_state.compute_device
+    ws, rank = fsdp_state.world_size, fsdp_state.rank
+    numels = _flatops.dim0_chunk_numels(layout.shapes, ws)
+    if numels is None or len(chunks) != layout.num_params:
+        raise AssertionError("a unit without dim-0 chunks has no chunk exchange")
+    for i, c in enumerate(chunks):
+        if c is not None and c.numel() != numels[rank][i]:
+            raise ValueError(
+                f"parameter {i}'s dim-0 chunk has {c.numel()} elements, rank {rank}'s "
+                f"chunk of a {tuple(layout.shapes[i])} tensor has {numels[rank][i]}"
+            )
+    if layout.sharded:
+        plan = _flatops.dim0_plan(layout)
+        assert plan is not None
+        send = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
+        _flatops.pack_chunks_into(plan, chunks, send)
+        recv = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send, list(plan.send_sizes), list(plan.recv_sizes), group=pg)
+        return _flatops.shard_pieces(plan, recv)
+    per_rank = sum(numels[0])  # rank 0 holds the largest chunks
+    send = torch.empty(per_rank, dtype=dtype, device=device)
+    items, pos = [], 0
+    for i, c in enumerate(chunks):
+        if c is not None:
+            items.append((pos, c))
+        pos += numels[rank][i]
+    _flatops.place_many([(send, items)])
+    if ws > 1:
+        every = torch.empty(ws * per_rank, dtype=dtype, device=device)
+        dist.all_gather_single(every, send, group=pg)
+    else:
+        every = send
+    out = []
+    for r in range(ws):
+        pos = r * per_rank
+        for i, n in enumerate(numels[r]):
+            if n:
+                out.append((layout.offsets[i] + r * numels[0][i], every[pos : pos + n]))
+            pos += n
+    return out
+
+
+def _sharded_unit_states(
+    info: FSDPParamInfo,
+    layout: _flatops.UnitLayout,
+    states: list[dict[str, Any] | None],
+) -> tuple[list[dict[str, Any] | None], set[str]]:
+    """A FlatParameter's per-parameter sharded states -> the states torch's
+    checks see, and the state names loaded by ``_exchange_chunks``.
+
+    A state name whose every value is dim-0 chunked (``_dim0_check``) keeps
+    only its shape and dtype here; other ShardedTensor / DTensor values are
+    gathered whole, as torch does, in the same order on every rank.
+    """
+    fsdp_state = info.state
+    chunkable = _flatops.dim0_chunk_numels(layout.shapes, 1) is not None
+    names = sorted({n for s in states if s for n in s}, key=str)
+    fast: set[str] = set()
+    for name in names:
+        present = [
+            (s[name], layout.shapes[i]) for i, s in enumerate(states) if s and name in s
+        ]
+        if chunkable and all(_dim0_check(fsdp_state, v, shape)[0] for v, shape in present):
+            fast.add(name)
+    out: list[dict[str, Any] | None] = []
+    for s in states:
+        if s is None:
+            out.append(None)
+            continue
+        slow = {n: s[n] for n in sorted(s, key=str) if n not in fast and _is_dist_tensor(s[n])}
+        gathered = (
+            _gather_state_dict(slow, pg=fsdp_state.process_group, device=fsdp_state.compute_device)
+            if slow
+            else {}
+        )
+        out.append(
+            {
+                n: _PosDimTensorInfo(_dist_shape(v), _dist_dtype(v))
+                if n in fast
+                else gathered.get(n, v)
+                for n, v in s.items()
+            }
+        )
+    return out, fast
+
+
 def _flatten_flat_unit(
     info: FSDPParamInfo,
     unflat_state: dict[str, dict[str, Any]],
     names: list[str],
     rank0_only: bool,
+    sharded_input: bool = False,
 ) -> dict[str, Any]:
-    """One FlatParameter's per-parameter state (``use_orig_params=False``) -> its local shard."""
+    """One FlatParameter's per-parameter state (``use_orig_params=False``) -> its local shard.
+
+    ``sharded_input`` (SHARDED_STATE_DICT): a state name held as dim-0
+    chunks is loaded with one chunk exchange; anything else is gathered.
+    """
     fsdp_state = info.state
     layout = _layout(info)
     if len(names) != layout.num_params:
         raise AssertionError(f"Expects {len(names)} shapes but got {layout.num_params}")
     if not any(n in unflat_state for n in names):
         return {}
-    states = [
-        _gather_state_dict(
-            unflat_state[n], pg=fsdp_state.process_group, device=fsdp_state.compute_device
-        )
-        if n in unflat_state and not rank0_only
-        else unflat_state.get(n)
-        for n in names
-    ]
+    raw = [unflat_state.get(n) for n in names]
+    fast: set[str] = set()
+    if sharded_input:
+        states, fast = _sharded_unit_states(info, layout, raw)
+    else:
+        states = [
+            _gather_state_dict(s, pg=fsdp_state.process_group, device=fsdp_state.compute_device)
+            if s is not None and not rank0_only
+            else s
+            for s in raw
+        ]
     state_names: set[str] | None = None
     for s in states:
         if s is None:
@@ -667,7 +1027,15 @@ def _flatten_flat_unit(
             )
         if pos:
             dtype = _check_tensor_states(state_name, values, names, layout.shapes)
-            if rank0_only:
+            if state_name in fast:
+                chunks = [
+                    _local_chunk(s[state_name]) if s is not None else None for s in raw
+                ]
+                shard = torch.empty(layout.shard_numel, dtype=dtype, device=cpu)
+                items = _exchange_chunks(fsdp_state, layout, chunks, dtype)
+                _flatops.place_many([(shard, items)])
+                flat[state_name] = shard
+            elif rank0_only:
                 pieces = None if receiving else values
                 shard = _scatter_shard(
                     layout, pieces, dtype, fsdp_state.compute_device, fsdp_state.process_group
@@ -690,6 +1058,7 @@ def _shard_orig_unit(
     fqns: list[str],
     unflat_state: dict[str, dict[str, Any]],
     rank0_only: bool,
+    sharded_input: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Full state of some of one unit's parameters (``use_orig_params=True``) -> our pieces.
 
@@ -700,6 +1069,8 @@ def _shard_orig_unit(
     fsdp_state = info.state
     layout = _layout(info)
     out: dict[str, dict[str, Any]] = {}
+    if sharded_input:
+        return _shard_orig_unit_from_chunks(info, layout, fqns, unflat_state)
     if not rank0_only:
         for fqn in fqns:
             state = unflat_state[fqn]
@@ -769,6 +1140,96 @@ def _shard_orig_unit(
     return out
 
 
+def _shard_orig_unit_from_chunks(
+    info: FSDPParamInfo,
+    layout: _flatops.UnitLayout,
+    fqns: list[str],
+    unflat_state: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Sharded state of some of one unit's parameters (``use_orig_params=True``) -> our pieces.
+
+    The dim-0 chunked values of one (state name, dtype) are loaded with one
+    chunk exchange for the whole unit, straight into each parameter's local
+    piece; other ShardedTensor / DTensor values are gathered and sliced, as
+    torch does.
+    """
+    fsdp_state = info.state
+    chunkable = _flatops.dim0_chunk_numels(layout.shapes, 1) is not None
+    groups: dict[tuple[str, torch.dtype], dict[int, Any]] = {}
+    for fqn in fqns:
+        idx = info.param_indices[fqn]
+        for name, v in unflat_state[fqn].items():
+            if chunkable and _dim0_check(fsdp_state, v, layout.shapes[idx])[0]:
+                groups.setdefault((name, _dist_dtype(v)), {})[idx] = v
+    # Where each parameter lies in the local flat state the exchange fills.
+    if layout.sharded:
+        spans = sorted(
+            (si.offset_in_shard, si.offset_in_shard + si.numel_in_shard, i)
+            for i, si in enumerate(layout.shard_infos)
+            if si.in_shard and si.numel_in_shard
+        )
+    else:
+        spans = sorted(
+            (off, off + n, i) for i, (off, n) in enumerate(zip(layout.offsets, layout.numels)) if n
+        )
+    starts = [a for a, _, _ in spans]
+    loaded: dict[tuple[int, str], torch.Tensor] = {}
+    # Sorted: every rank runs the same exchanges in the same order.
+    for (name, dtype), by_idx in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        chunks = [
+            _local_chunk(by_idx[i]) if i in by_idx else None for i in range(layout.num_params)
+        ]
+        items = _exchange_chunks(fsdp_state, layout, chunks, dtype)
+        outs: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}
+        for i in by_idx:
+            si = layout.shard_infos[i]
+            if not layout.sharded:
+                outs[i] = (torch.empty(layout.shapes[i], dtype=dtype), [])
+            elif si.in_shard:
+                outs[i] = (torch.empty(cast(int, si.numel_in_shard), dtype=dtype), [])
+        for off, piece in items:
+            a, b, i = spans[bisect.bisect_right(starts, off) - 1]
+            if off + piece.numel() > b:
+                raise AssertionError(f"a received piece at {off} crosses parameter {i}'s end")
+            if i in outs:
+                outs[i][1].append((off - a, piece))
+        _flatops.place_many([(t.view(-1), parts) for t, parts in outs.values()])
+        for i, (t, _) in outs.items():
+            loaded[(i, name)] = t
+    fast = {(i, name) for (name, _), by_idx in groups.items() for i in by_idx}
+    out: dict[str, dict[str, Any]] = {}
+    for fqn in fqns:
+        state = unflat_state[fqn]
+        if not state:
+            out[fqn] = {}
+            continue
+        idx = info.param_indices[fqn]
+        slow = {
+            n: state[n]
+            for n in sorted(state, key=str)
+            if (idx, n) not in fast and _is_dist_tensor(state[n])
+        }
+        gathered = (
+            _gather_state_dict(slow, pg=fsdp_state.process_group, device=fsdp_state.compute_device)
+            if slow
+            else {}
+        )
+        if layout.sharded and not layout.shard_infos[idx].in_shard:
+            out[fqn] = {}
+            continue
+        new: dict[str, Any] = {}
+        for name, value in state.items():
+            if (idx, name) in loaded:
+                new[name] = loaded[(idx, name)]
+                continue
+            value = gathered.get(name, value)
+            if layout.sharded and torch.is_tensor(value) and value.dim() > 0:
+                value = _flatops.slice_local(layout, idx, value, full=True)
+            new[name] = value
+        out[fqn] = new
+    return out
+
+
 def _flatten_optim_state_dict(
     osd: dict[str, Any],
     model: nn.Module,
@@ -776,6 +1237,7 @@ def _flatten_optim_state_dict(
     optim: torch.optim.Optimizer | None,
     rank0_only: bool,
     group: dist.ProcessGroup | None,
+    sharded_input: bool = False,
 ) -> dict[str, Any]:
     if "state" not in osd and not rank0_only:
         raise ValueError(
@@ -792,6 +1254,10 @@ def _flatten_optim_state_dict(
         osd = _broadcast_processed_state(fsdp_state, osd, group=group)
     unflat_state = osd["state"]
     all_state_keys = set(unflat_state)
+    if sharded_input:
+        _agree_sharded(
+            fqn_to_info, unflat_state, group if group is not None else fsdp_state.process_group
+        )
 
     # use_orig_params: one unit at a time (its parameters are separate keys).
     orig_done: dict[str, dict[str, Any]] = {}
@@ -805,7 +1271,9 @@ def _flatten_optim_state_dict(
                 unit_fqns.setdefault(id(info), []).append(fqn)
                 unit_info[id(info)] = info
         for uid, fqns in unit_fqns.items():
-            orig_done.update(_shard_orig_unit(unit_info[uid], fqns, unflat_state, rank0_only))
+            orig_done.update(
+                _shard_orig_unit(unit_info[uid], fqns, unflat_state, rank0_only, sharded_input)
+            )
 
     flat_osd_state: dict[Any, Any] = {}
     for param, fqns in param_to_fqns.items():
@@ -819,7 +1287,7 @@ def _flatten_optim_state_dict(
                 flat_state = orig_done[fqn]
             else:
                 flat_state = _flatten_flat_unit(
-                    fqn_to_info[fqn], unflat_state, list(fqns), rank0_only
+                    fqn_to_info[fqn], unflat_state, list(fqns), rank0_only, sharded_input
                 )
             if flat_state:
                 flat_osd_state[key] = flat_state
@@ -945,7 +1413,13 @@ def _optim_state_dict_to_load_impl(
         osd = {}
     with torch.no_grad():
         sharded = _flatten_optim_state_dict(
-            osd, model, use_orig_params, optim if is_named_optimizer else None, rank0_only, group
+            osd,
+            model,
+            use_orig_params,
+            optim if is_named_optimizer else None,
+            rank0_only,
+            group,
+            sharded_input=not full_state_dict,
         )
     return _rekey_sharded_optim_state_dict(
         sharded,
