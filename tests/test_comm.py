@@ -63,10 +63,15 @@ def test_ncclcomm_collectives_on_the_stand_in(fakes):
         out = np.zeros_like(src)
         c.scatter(_FakeCudaArray(src), _FakeCudaArray(out), 0, stream=5, wait=wait)
         np.testing.assert_array_equal(out, src)
+        out = np.zeros_like(src)
+        c.gather(_FakeCudaArray(src), _FakeCudaArray(out), 0, wait=wait)
+        np.testing.assert_array_equal(out, src)
     with pytest.raises(ValueError, match="nranks"):
         c.all_gather(_FakeCudaArray(src), _FakeCudaArray(np.zeros(999, np.uint8)))
     with pytest.raises(ValueError, match="root 1"):
         c.broadcast(_FakeCudaArray(src.copy()), 1)
+    with pytest.raises(ValueError, match="gather: send is required"):
+        c.gather(_FakeCudaArray(src), None, 0)
     with pytest.raises(BufferError, match="writable"):
         c.broadcast(_FakeCudaArray(src, readonly=True), 0)
     with pytest.raises(TypeError, match="__cuda_array_interface__"):
@@ -135,7 +140,7 @@ def _cache_and_teardown(rank, world, cudart, nccl):
     t = torch.full((4,), float(rank))
     comm.broadcast(t, 0)
     got = torch.empty(2)
-    comm.scatter(got, [torch.full((2,), float(r)) for r in range(world)] if rank == 0 else None, 0)
+    comm.scatter(got, torch.arange(world * 2, dtype=torch.float32) if rank == 0 else None, 0)
     comm.close_communicators()
     return (type(c).__name__, nranks, same, closed_sub, open_world, off, c.closed,
             out.tolist(), t.tolist(), got.tolist())
@@ -143,7 +148,7 @@ def _cache_and_teardown(rank, world, cudart, nccl):
 
 def test_communicator_cache_teardown_and_cpu_path(run_distributed, fakes):
     (r,) = run_distributed(_cache_and_teardown, 1, *fakes)
-    assert r == ("NcclComm", 1, True, True, True, None, True, [0.0] * 3, [0.0] * 4, [0.0] * 2)
+    assert r == ("NcclComm", 1, True, True, True, None, True, [0.0] * 3, [0.0] * 4, [0.0, 1.0])
 
 
 def _cpu_paths(rank, world):
@@ -156,13 +161,16 @@ def _cpu_paths(rank, world):
     t = torch.full((4,), float(rank))
     comm.broadcast(t, 1 % world)
     got = torch.empty(2)
-    comm.scatter(got, [torch.full((2,), float(r)) for r in range(world)] if rank == 0 else None, 0)
-    return out.tolist(), t.tolist(), got.tolist()
+    comm.scatter(got, torch.arange(world * 2, dtype=torch.float32) if rank == 0 else None, 0)
+    full = torch.empty(world * 2) if rank == 1 % world else None
+    comm.gather(full, torch.full((2,), float(rank)), 1 % world)
+    return out.tolist(), t.tolist(), got.tolist(), full.tolist() if full is not None else None
 
 
 def test_cpu_tensors_use_torch_distributed(run_distributed):
     out = run_distributed(_cpu_paths, 3)
-    for rank, (ag, bc, sc) in enumerate(out):
+    for rank, (ag, bc, sc, ga) in enumerate(out):
         assert ag == [0.0] * 3 + [1.0] * 3 + [2.0] * 3
         assert bc == [1.0] * 4
-        assert sc == [float(rank)] * 2
+        assert sc == [2.0 * rank, 2.0 * rank + 1]
+        assert ga == ([0.0, 0.0, 1.0, 1.0, 2.0, 2.0] if rank == 1 else None)

@@ -133,7 +133,7 @@ int ss_comm_device(const ss_comm *c)
     return c->device;
 }
 
-enum { ALL_GATHER, BROADCAST, SCATTER };
+enum { ALL_GATHER, BROADCAST, SCATTER, GATHER };
 
 /* Order, queue one collective, order back (and wait). */
 static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
@@ -144,9 +144,11 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
     ss_cudaStream_t cs = (ss_cudaStream_t)caller;
     int rc = 0, grouped = 0;
 
+    int root_only_recv = op == GATHER && c->rank != root;  /* recv unused */
+    int root_only_send = op == SCATTER && c->rank != root; /* send unused */
     if ((op != ALL_GATHER && (root < 0 || root >= c->nranks)) ||
-        (n > 0 && ((op != BROADCAST && recv == NULL) ||
-                   (send == NULL && (op != SCATTER || c->rank == root)))))
+        (n > 0 && ((op != BROADCAST && recv == NULL && !root_only_recv) ||
+                   (send == NULL && !root_only_send))))
         return ss_errinfo_set(err, SS_EINVAL, "comm", NULL, -1,
                               "root %d of %d ranks, or a NULL buffer", root,
                               c->nranks);
@@ -178,6 +180,26 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
         } else {
             NC(nc, nc->ncclRecv(recv, n, SS_NCCL_UINT8, root, c->comm, c->stream),
                "ncclRecv");
+        }
+        grouped = 0;
+        NC(nc, nc->ncclGroupEnd(), "ncclGroupEnd");
+        break;
+    case GATHER:
+        NC(nc, nc->ncclGroupStart(), "ncclGroupStart");
+        grouped = 1;
+        if (c->rank == root) {
+            for (int r = 0; r < c->nranks; r++) {
+                char *blk = (char *)recv + (size_t)r * n;
+                if (r == root)
+                    CU(cu, cu->cudaMemcpyAsync(blk, send, n, 3 /* device to device */,
+                                               c->stream), "cudaMemcpyAsync");
+                else
+                    NC(nc, nc->ncclRecv(blk, n, SS_NCCL_UINT8, r, c->comm, c->stream),
+                       "ncclRecv");
+            }
+        } else {
+            NC(nc, nc->ncclSend(send, n, SS_NCCL_UINT8, root, c->comm, c->stream),
+               "ncclSend");
         }
         grouped = 0;
         NC(nc, nc->ncclGroupEnd(), "ncclGroupEnd");
@@ -215,4 +237,10 @@ int ss_comm_scatter(ss_comm *c, const void *send, void *recv, size_t n,
                     int root, void *stream, int wait, ss_errinfo *err)
 {
     return run(c, SCATTER, send, recv, n, root, stream, wait, err);
+}
+
+int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n,
+                   int root, void *stream, int wait, ss_errinfo *err)
+{
+    return run(c, GATHER, send, recv, n, root, stream, wait, err);
 }

@@ -14,7 +14,9 @@
  * The collectives move bytes (ncclUint8): all-gather (each rank's n bytes
  * into rank order), broadcast (n bytes from root), and scatter (root's
  * nranks * n bytes, rank r's n-byte block to rank r, as one group of
- * send/recv). Buffers are device pointers on the communicator's device.
+ * send/recv) and gather (its mirror: every rank's n bytes into root's
+ * nranks * n, so no other rank holds the whole). Buffers are device
+ * pointers on the communicator's device.
  *
  * Failures return SS_EDEVICE (a CUDA or NCCL call failed; the call and the
  * library's message are in err->detail) or SS_EINVAL. After a failed
@@ -51,5 +53,7 @@ int ss_comm_broadcast(ss_comm *c, void *buf, size_t n, int root, void *stream,
                       int wait, ss_errinfo *err);
 int ss_comm_scatter(ss_comm *c, const void *send, void *recv, size_t n,
                     int root, void *stream, int wait, ss_errinfo *err);
+int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n,
+                   int root, void *stream, int wait, ss_errinfo *err);
 
 #endif /* SS_COMM_H */

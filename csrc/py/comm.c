@@ -131,7 +131,7 @@ static int take(NcclCommObject *self)
     return 0;
 }
 
-enum { OP_ALL_GATHER, OP_BROADCAST, OP_SCATTER };
+enum { OP_ALL_GATHER, OP_BROADCAST, OP_SCATTER, OP_GATHER };
 
 static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
                             PyObject *kwds)
@@ -139,6 +139,7 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
     static char *kw_ag[] = {"send", "recv", "stream", "wait", NULL};
     static char *kw_bc[] = {"buf", "root", "stream", "wait", NULL};
     static char *kw_sc[] = {"send", "recv", "root", "stream", "wait", NULL};
+    static char *kw_ga[] = {"send", "recv", "root", "stream", "wait", NULL};
     ss_state *st = ss_state_from_type(Py_TYPE(self));
     PyObject *send = Py_None, *recv = Py_None, *stream_obj = Py_None;
     void *sp = NULL, *rp = NULL, *stream = NULL;
@@ -154,14 +155,26 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
                                       &root, &stream_obj, &wait)) ||
         (op == OP_SCATTER &&
          !PyArg_ParseTupleAndKeywords(args, kwds, "OOi|Op:scatter", kw_sc, &send,
+                                      &recv, &root, &stream_obj, &wait)) ||
+        (op == OP_GATHER &&
+         !PyArg_ParseTupleAndKeywords(args, kwds, "OOi|Op:gather", kw_ga, &send,
                                       &recv, &root, &stream_obj, &wait)))
         return NULL;
     if (ss_py_stream_arg(stream_obj, &stream) < 0 || take(self) < 0)
         return NULL;
     nranks = ss_comm_nranks(self->comm);
-    if (ss_py_cai_buffer(recv, op == OP_BROADCAST ? "buf" : "recv", 1, &rp, &rn) < 0 ||
-        (send != Py_None && ss_py_cai_buffer(send, "send", 0, &sp, &sn) < 0))
+    if ((recv != Py_None || op != OP_GATHER) &&
+        ss_py_cai_buffer(recv, op == OP_BROADCAST ? "buf" : "recv", 1, &rp, &rn) < 0)
         goto fail;
+    if (send != Py_None && ss_py_cai_buffer(send, "send", 0, &sp, &sn) < 0)
+        goto fail;
+    if (op == OP_GATHER && (send == Py_None ||
+                            (ss_comm_rank(self->comm) == root &&
+                             (recv == Py_None || rn != sn * nranks)))) {
+        PyErr_Format(PyExc_ValueError, "gather: send is required, and the root's "
+                     "recv must hold nranks (%d) x len(send) bytes", nranks);
+        goto fail;
+    }
     if (op == OP_ALL_GATHER && (send == Py_None || rn != sn * nranks)) {
         PyErr_Format(PyExc_ValueError, "all_gather: recv must hold nranks (%d) x "
                      "len(send) = %zd bytes, got %zd", nranks, sn * nranks, rn);
@@ -186,8 +199,11 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
     case OP_BROADCAST:
         rc = ss_comm_broadcast(self->comm, rp, (size_t)rn, root, stream, wait, &info);
         break;
-    default:
+    case OP_SCATTER:
         rc = ss_comm_scatter(self->comm, sp, rp, (size_t)rn, root, stream, wait, &info);
+        break;
+    default:
+        rc = ss_comm_gather(self->comm, sp, rp, (size_t)sn, root, stream, wait, &info);
     }
     Py_END_ALLOW_THREADS
     PyThread_release_lock(self->lock);
@@ -212,6 +228,11 @@ static PyObject *NcclComm_broadcast(NcclCommObject *self, PyObject *a, PyObject 
 static PyObject *NcclComm_scatter(NcclCommObject *self, PyObject *a, PyObject *k)
 {
     return collective(self, OP_SCATTER, a, k);
+}
+
+static PyObject *NcclComm_gather(NcclCommObject *self, PyObject *a, PyObject *k)
+{
+    return collective(self, OP_GATHER, a, k);
 }
 
 static PyObject *NcclComm_close(NcclCommObject *self, PyObject *unused)
@@ -282,6 +303,11 @@ static PyMethodDef NcclComm_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "scatter(send, recv, root, stream=None, wait=False)\n--\n\n"
      "Block r of root's send (nranks x len(recv) bytes) into rank r's recv."},
+    {"gather", (PyCFunction)(void (*)(void))NcclComm_gather,
+     METH_VARARGS | METH_KEYWORDS,
+     "gather(send, recv, root, stream=None, wait=False)\n--\n\n"
+     "Every rank's send bytes into root's recv (nranks x len(send)) in rank "
+     "order; recv is None on the other ranks."},
     {"close", (PyCFunction)NcclComm_close, METH_NOARGS,
      "close()\n--\n\nDestroy the communicator (abort it after an error)."},
     {NULL},

@@ -69,6 +69,9 @@ class NcclComm:
     def scatter(
         self, send: Any, recv: Any, root: int, stream: int | None = None, wait: bool = False
     ) -> None: ...
+    def gather(
+        self, send: Any, recv: Any, root: int, stream: int | None = None, wait: bool = False
+    ) -> None: ...
     def close(self) -> None: ...
 
 def nccl_unique_id(

@@ -1,9 +1,10 @@
 """Collective transport for shardstate's bulk traffic.
 
-Three collectives carry checkpoint and optimizer-state bytes between ranks:
-all-gather (flat optimizer-state shards into a full state), broadcast (an
-item read from storage once, sent to every rank that needs it) and
-scatter (a full state from one rank, in shards). The planning code above
+Four collectives carry checkpoint and optimizer-state bytes between ranks:
+all-gather and gather (flat optimizer-state shards into a full state, on
+every rank or on one), broadcast (an item read from storage once, sent to
+every rank that needs it) and scatter (a full state from one rank, in
+shards). The planning code above
 calls the functions here with torch tensors and a torch process group;
 only the transport differs:
 
@@ -30,7 +31,8 @@ from typing import Any
 
 from . import _core
 
-__all__ = ["all_gather_into", "broadcast", "close_communicators", "communicator", "scatter"]
+__all__ = ["all_gather_into", "broadcast", "close_communicators", "communicator", "gather",
+           "scatter"]
 
 _comms: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, NcclComm)
 _failed: set[int] = set()  # groups whose communicator could not be made
@@ -163,21 +165,29 @@ def broadcast(t: Any, group_src: int, group: Any = None) -> None:
     comm.broadcast(_bytes(t), group_src, stream=_stream(t))
 
 
-def scatter(out: Any, parts: list[Any] | None, group_src: int, group: Any = None) -> None:
-    """``out`` on group rank r <- ``parts[r]`` of group rank ``group_src``
-    (equal sizes; None on the other ranks)."""
+def scatter(out: Any, send: Any, group_src: int, group: Any = None) -> None:
+    """``out`` on group rank r <- block r of ``send`` (world x ``out``
+    elements, contiguous) on group rank ``group_src``; ``send`` is None on
+    the other ranks."""
     dist = _dist()
-    if not (out is not None and out.is_cuda):
-        dist.scatter(out, parts, group=group, group_src=group_src)
-        return
-    send = None
-    if parts is not None:
-        import torch
-
-        send = torch.cat([p.reshape(-1) for p in parts])
     comm = _nccl_for([out] + ([send] if send is not None else []), group)
     if comm is None:
+        parts = list(send.reshape(-1).split(out.numel())) if send is not None else None
         dist.scatter(out, parts, group=group, group_src=group_src)
         return
     comm.scatter(_bytes(send) if send is not None else None, _bytes(out), group_src,
                  stream=_stream(out))
+
+
+def gather(out: Any, inp: Any, group_dst: int, group: Any = None) -> None:
+    """``out`` (world x ``inp`` elements, contiguous) on group rank
+    ``group_dst`` <- every rank's ``inp`` in rank order; ``out`` is None on
+    the other ranks, which never hold the whole."""
+    dist = _dist()
+    comm = _nccl_for([inp] + ([out] if out is not None else []), group)
+    if comm is None:
+        parts = list(out.reshape(-1).split(inp.numel())) if out is not None else None
+        dist.gather(inp, parts, group=group, group_dst=group_dst)
+        return
+    comm.gather(_bytes(inp), _bytes(out) if out is not None else None, group_dst,
+                stream=_stream(inp))

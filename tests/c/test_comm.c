@@ -62,6 +62,9 @@ static void test_collectives(void)
         memset(dst, 0, sizeof dst);
         CHECK_EQ_INT(ss_comm_scatter(c, src, dst, 300, 0, NULL, wait, &e), 0);
         CHECK(memcmp(src, dst, 300) == 0);
+        memset(dst, 0, sizeof dst);
+        CHECK_EQ_INT(ss_comm_gather(c, src, dst, 300, 0, NULL, wait, &e), 0);
+        CHECK(memcmp(src, dst, 300) == 0);
     }
     CHECK_EQ_INT(ss_comm_broadcast(c, dst, 300, 1, NULL, 1, &e), SS_EINVAL);
     CHECK_EQ_INT(ss_comm_all_gather(c, NULL, dst, 300, NULL, 1, &e), SS_EINVAL);

@@ -86,6 +86,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as DShard
 
+from .. import comm
 from . import _flatops
 from .api import OptimStateKeyType, StateDictType
 
@@ -262,12 +263,12 @@ def _gather_flat(
     if to_rank0:
         if layout.rank == 0:
             full = local.new_empty(layout.padded_numel)
-            dist.gather(local, list(full.split(layout.shard_numel)), group=pg, group_dst=0)
+            comm.gather(full, local, 0, pg)
             return full[: layout.unpadded_numel]
-        dist.gather(local, None, group=pg, group_dst=0)
+        comm.gather(None, local, 0, pg)
         return None
     full = local.new_empty(layout.padded_numel)
-    dist.all_gather_single(full, local, group=pg)
+    comm.all_gather_into(full, local, pg)
     return full[: layout.unpadded_numel]
 
 
@@ -698,17 +699,16 @@ def _scatter_shard(
         if pieces is not None:
             _flatops.flatten_shard_into(layout, pieces, 0, shard)
         if dist.get_world_size(pg) > 1:
-            dist.broadcast(shard, group=pg, group_src=0)
+            comm.broadcast(shard, 0, pg)
         return shard
     if layout.rank == 0:
         assert pieces is not None
         full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         _flatops.flatten_full_into(layout, pieces, full)
-        parts = list(full.split(layout.shard_numel))
-        dist.scatter(shard, parts, group=pg, group_src=0)
-        del full, parts
+        comm.scatter(shard, full, 0, pg)
+        del full
     else:
-        dist.scatter(shard, None, group=pg, group_src=0)
+        comm.scatter(shard, None, 0, pg)
     return shard
 
 
@@ -908,7 +908,7 @@ def _exchange_chunks(
     _flatops.place_many([(send, items)])
     if ws > 1:
         every = torch.empty(ws * per_rank, dtype=dtype, device=device)
-        dist.all_gather_single(every, send, group=pg)
+        comm.all_gather_into(every, send, pg)
     else:
         every = send
     out = []
