@@ -915,16 +915,9 @@ class FileSystemReader(StorageReader):
         need: dict[Any, dict[int, list[Any]]] = {}
         meta: dict[Any, tuple[Any, Any]] = {}
         load = [0] * len(plans)
-        for rank, p in enumerate(plans):
-            for it in p.items:
-                if it.type.name == "BYTE_IO":
-                    continue
-                found = self._chunk(it.storage_index)
-                if found is None:
-                    continue
-                k = _index_key(it.storage_index)
-                meta.setdefault(k, found)
-                need.setdefault(k, {}).setdefault(rank, []).append(it)
+        for rank, it, k, found in self._tensor_reads(plans):
+            meta.setdefault(k, found)
+            need.setdefault(k, {}).setdefault(rank, []).append(it)
         candidates = sorted(k for k, ranks in need.items() if len(ranks) > 1)
         recs: dict[Any, tuple[_Req, _Rec]] = {}
         if candidates:
@@ -989,6 +982,17 @@ class FileSystemReader(StorageReader):
             used = _BCAST_ROUND if n >= _BCAST_ALONE else used + n
         return _Schedule(frozenset(chosen), rounds)
 
+    def _tensor_reads(self, plans: list[Any]) -> Any:
+        """(rank, read item, chunk key, (metadata, chunk)) for every tensor
+        read of every rank's plan whose saved chunk is known."""
+        for rank, p in enumerate(plans):
+            for it in p.items:
+                if it.type.name == "BYTE_IO":
+                    continue
+                found = self._chunk(it.storage_index)
+                if found is not None:
+                    yield rank, it, _index_key(it.storage_index), found
+
     def _shared_chunks(self, plans: list[Any]) -> set:
         """The saved chunks the ranks' reads cover together: one rank reads
         the whole chunk, or the regions read are pairwise disjoint and add up
@@ -999,17 +1003,10 @@ class FileSystemReader(StorageReader):
         once."""
         boxes: dict[Any, set] = {}
         sizes: dict[Any, tuple[int, ...]] = {}
-        for p in plans:
-            for it in p.items:
-                if it.type.name == "BYTE_IO":
-                    continue
-                found = self._chunk(it.storage_index)
-                if found is None:
-                    continue
-                k = _index_key(it.storage_index)
-                sizes[k] = tuple(int(n) for n in found[1].sizes)
-                boxes.setdefault(k, set()).add(
-                    (tuple(int(o) for o in it.storage_offsets), tuple(int(n) for n in it.lengths)))
+        for _rank, it, k, found in self._tensor_reads(plans):
+            sizes[k] = tuple(int(n) for n in found[1].sizes)
+            boxes.setdefault(k, set()).add(
+                (tuple(int(o) for o in it.storage_offsets), tuple(int(n) for n in it.lengths)))
         return {k for k, bs in boxes.items() if _covers(bs, sizes[k])}
 
     def _enable_broadcast(self, coord: Any) -> None:
