@@ -418,7 +418,9 @@ def _gather_sharded_tensor(value: ShardedTensor) -> torch.Tensor:
             )
         mine[: local.numel()] = local
     out = torch.empty(chunk * world, dtype=value.dtype, device=device)
-    dist.all_gather_single(out, mine)
+    from .. import comm
+
+    comm.all_gather_into(out, mine)  # NCCL for CUDA shards; older torch's name too
     return out[:numel].reshape(size)
 
 
