@@ -14,40 +14,6 @@ typedef struct {
     PyThread_type_lock lock;
 } NcclCommObject;
 
-/* Load libcudart and libnccl from the candidate sequences (None: defaults). */
-static int load_libs(ss_state *st, PyObject *cudart, PyObject *nccl,
-                     const ss_cuda **cu, const ss_nccl **nc)
-{
-    PyObject *refs[2] = {NULL, NULL};
-    const char **cands[2] = {NULL, NULL};
-    Py_ssize_t n[2] = {0, 0};
-    char reason[SS_DL_REASON_MAX] = "";
-    ss_errinfo info;
-    int rc = -1, r = 0;
-
-    if (ss_py_candidates(cudart, &refs[0], &cands[0], &n[0]) < 0 ||
-        ss_py_candidates(nccl, &refs[1], &cands[1], &n[1]) < 0)
-        goto out;
-    Py_BEGIN_ALLOW_THREADS
-    r = ss_cuda_load(n[0] ? cands[0] : NULL, (size_t)n[0], cu, reason, sizeof reason);
-    if (r == 0)
-        r = ss_nccl_load(n[1] ? cands[1] : NULL, (size_t)n[1], nc, reason, sizeof reason);
-    Py_END_ALLOW_THREADS
-    if (r < 0) {
-        ss_errinfo_clear(&info);
-        ss_errinfo_set(&info, r, "load", NULL, -1, "%s", reason);
-        ss_py_raise(st, r, &info);
-        goto out;
-    }
-    rc = 0;
-out:
-    for (int i = 0; i < 2; i++) {
-        Py_XDECREF(refs[i]);
-        PyMem_Free(cands[i]);
-    }
-    return rc;
-}
-
 static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"nranks", "rank", "unique_id", "device", "cudart",
@@ -75,7 +41,7 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds
                      "rank %d of %d on device %d", rank, nranks, device);
         goto out;
     }
-    if (load_libs(st, cudart, nccl, &cu, &nc) < 0)
+    if (ss_py_load_libs(st, "NcclComm", cudart, nccl, &cu, &nc) < 0)
         goto out;
     self = (NcclCommObject *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -357,7 +323,7 @@ static PyObject *py_nccl_unique_id(PyObject *m, PyObject *args, PyObject *kwds)
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OO:nccl_unique_id", kwlist,
                                      &cudart, &nccl) ||
-        load_libs(st, cudart, nccl, &cu, &nc) < 0)
+        ss_py_load_libs(st, "nccl_unique_id", cudart, nccl, &cu, &nc) < 0)
         return NULL;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS

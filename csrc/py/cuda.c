@@ -1,5 +1,6 @@
 /* cuda.c - cuda_status(): the run-time CUDA runtime and NCCL loaders
- * (ss_cuda, ss_nccl) seen from Python.
+ * (ss_cuda, ss_nccl) seen from Python, and the candidate parsing and
+ * loading that Stage and NcclComm share with it.
  *
  * The candidates (override paths, sonames, extra directories) are chosen by
  * python/shardstate/cuda.py, which also reads the environment; None asks the
@@ -11,16 +12,7 @@
 #include "ss_cuda.h"
 #include "ss_nccl.h"
 
-/* Candidate names: obj is None (the core's defaults) or a non-empty
- * sequence of str / bytes / os.PathLike. Fills *keep with the bytes objects
- * (the caller releases it) and *names with pointers into them. */
-typedef struct {
-    PyObject *keep;      /* list of bytes, or NULL for None */
-    const char **names;  /* NULL for None */
-    size_t n;
-} cands;
-
-static void cands_release(cands *c)
+void ss_py_cands_release(ss_py_cands *c)
 {
     Py_CLEAR(c->keep);
     PyMem_Free((void *)c->names);
@@ -28,7 +20,8 @@ static void cands_release(cands *c)
     c->n = 0;
 }
 
-static int cands_from(PyObject *obj, const char *argname, cands *c)
+int ss_py_cands_from(PyObject *obj, const char *func, const char *argname,
+                     ss_py_cands *c)
 {
     PyObject *seq = NULL;
     Py_ssize_t i, n;
@@ -41,18 +34,18 @@ static int cands_from(PyObject *obj, const char *argname, cands *c)
         return 0;
     if (PyUnicode_Check(obj) || PyBytes_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
-                     "cuda_status(): %s must be None or a sequence of paths, "
-                     "not a single %s", argname, Py_TYPE(obj)->tp_name);
+                     "%s(): %s must be None or a sequence of paths, "
+                     "not a single %s", func, argname, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    seq = PySequence_Fast(obj, "cuda_status(): candidates must be a sequence");
+    seq = PySequence_Fast(obj, "candidates must be a sequence");
     if (seq == NULL)
         return -1;
     n = PySequence_Fast_GET_SIZE(seq);
     if (n == 0) {
         PyErr_Format(PyExc_ValueError,
-                     "cuda_status(): %s is empty: give at least one library "
-                     "name or path, or None for the defaults", argname);
+                     "%s(): %s is empty: give at least one library "
+                     "name or path, or None for the defaults", func, argname);
         goto out;
     }
     c->keep = PyList_New(n);
@@ -68,7 +61,7 @@ static int cands_from(PyObject *obj, const char *argname, cands *c)
         PyList_SET_ITEM(c->keep, i, b);
         if (PyBytes_GET_SIZE(b) == 0) {
             PyErr_Format(PyExc_ValueError,
-                         "cuda_status(): %s[%zd] is an empty path", argname, i);
+                         "%s(): %s[%zd] is an empty path", func, argname, i);
             goto out;
         }
         c->names[i] = PyBytes_AS_STRING(b);
@@ -78,7 +71,42 @@ static int cands_from(PyObject *obj, const char *argname, cands *c)
 out:
     Py_XDECREF(seq);
     if (rc < 0)
-        cands_release(c);
+        ss_py_cands_release(c);
+    return rc;
+}
+
+int ss_py_load_libs(ss_state *st, const char *func, PyObject *cudart,
+                    PyObject *nccl, const ss_cuda **cu, const ss_nccl **nc)
+{
+    ss_py_cands cc = {0}, nn = {0};
+    char *reason = NULL;
+    int rc = -1, r = 0;
+
+    if (ss_py_cands_from(cudart, func, "cudart", &cc) < 0 ||
+        (nc != NULL && ss_py_cands_from(nccl, func, "nccl", &nn) < 0))
+        goto out;
+    reason = PyMem_Calloc(SS_DL_REASON_MAX, 1); /* 1 KiB: off the stack */
+    if (reason == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = ss_cuda_load(cc.names, cc.n, cu, reason, SS_DL_REASON_MAX);
+    if (r == 0 && nc != NULL)
+        r = ss_nccl_load(nn.names, nn.n, nc, reason, SS_DL_REASON_MAX);
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        ss_errinfo info;
+        ss_errinfo_clear(&info);
+        ss_errinfo_set(&info, r, "load", NULL, -1, "%s", reason);
+        ss_py_raise(st, r, &info);
+        goto out;
+    }
+    rc = 0;
+out:
+    PyMem_Free(reason);
+    ss_py_cands_release(&cc);
+    ss_py_cands_release(&nn);
     return rc;
 }
 
@@ -97,7 +125,7 @@ static PyObject *py_cuda_status(PyObject *m, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     ss_state *st = ss_get_state(m);
-    cands cu_c = {0}, nc_c = {0};
+    ss_py_cands cu_c = {0}, nc_c = {0};
     ss_cuda_status *cs = NULL;
     ss_nccl_status *ns = NULL;
     PyObject *cu_d = NULL, *nc_d = NULL, *res = NULL;
@@ -106,8 +134,8 @@ static PyObject *py_cuda_status(PyObject *m, PyObject *const *args,
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError,
                             "cuda_status() takes 2 arguments (cudart, nccl)");
-    if (cands_from(args[0], "cudart", &cu_c) < 0 ||
-        cands_from(args[1], "nccl", &nc_c) < 0)
+    if (ss_py_cands_from(args[0], "cuda_status", "cudart", &cu_c) < 0 ||
+        ss_py_cands_from(args[1], "cuda_status", "nccl", &nc_c) < 0)
         goto out;
     /* Two reasons of 1 KiB each: keep them off the stack. */
     cs = PyMem_Malloc(sizeof *cs);
@@ -159,8 +187,8 @@ out:
     Py_XDECREF(nc_d);
     PyMem_Free(cs);
     PyMem_Free(ns);
-    cands_release(&cu_c);
-    cands_release(&nc_c);
+    ss_py_cands_release(&cu_c);
+    ss_py_cands_release(&nc_c);
     return res;
 }
 

@@ -66,11 +66,27 @@ int ss_py_cai_buffer(PyObject *obj, const char *what, int writable,
  * torch.cuda.current_stream().cuda_stream. 0, or -1 with an error set. */
 int ss_py_stream_arg(PyObject *obj, void **out);
 
-/* Library candidates: None or a sequence of str/bytes paths -> fs-encoded
- * bytes kept in *refs (a new list, or NULL for None; the caller releases
- * it) and their char pointers in *out (PyMem; *n of them). 0 or -1. */
-int ss_py_candidates(PyObject *obj, PyObject **refs, const char ***out,
-                     Py_ssize_t *n);
+/* Library candidates: obj is None (the core's default names) or a
+ * non-empty sequence of str / bytes / os.PathLike paths; func and argname
+ * name the argument in errors. keep holds the bytes objects, names points
+ * into them; release with ss_py_cands_release. 0 or -1 with an error set. */
+typedef struct {
+    PyObject *keep;     /* list of bytes, or NULL for None */
+    const char **names; /* NULL for None */
+    size_t n;
+} ss_py_cands;
+int ss_py_cands_from(PyObject *obj, const char *func, const char *argname,
+                     ss_py_cands *c);
+void ss_py_cands_release(ss_py_cands *c);
+
+/* Load libcudart from the cudart candidates and, when nc is not NULL,
+ * libnccl from the nccl ones (GIL released). 0, or -1 with the loader's
+ * reason raised (ShardstateError). */
+struct ss_cuda;
+struct ss_nccl;
+int ss_py_load_libs(ss_state *st, const char *func, PyObject *cudart,
+                    PyObject *nccl, const struct ss_cuda **cu,
+                    const struct ss_nccl **nc);
 
 /* Per-concern initialisers, called by the exec slot in this order. */
 int ss_py_errors_init(PyObject *m, ss_state *st);

@@ -23,57 +23,18 @@ typedef struct {
     const char *backend;
 } StageObject;
 
-int ss_py_candidates(PyObject *obj, PyObject **refs, const char ***out,
-                     Py_ssize_t *n)
-{
-    PyObject *seq = NULL;
-    int rc = -1;
-
-    *refs = NULL;
-    *out = NULL;
-    *n = 0;
-    if (obj == Py_None)
-        return 0;
-    seq = PySequence_Fast(obj, "candidates must be a sequence of paths or None");
-    if (seq == NULL)
-        return -1;
-    *n = PySequence_Fast_GET_SIZE(seq);
-    *refs = PyList_New(0);
-    *out = PyMem_Calloc((size_t)*n + 1, sizeof **out);
-    if (*refs == NULL || *out == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < *n; i++) {
-        PyObject *b = NULL;
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &b))
-            goto out;
-        if (PyList_Append(*refs, b) < 0) {
-            Py_DECREF(b);
-            goto out;
-        }
-        (*out)[i] = PyBytes_AS_STRING(b);
-        Py_DECREF(b); /* the list holds it */
-    }
-    rc = 0;
-out:
-    Py_XDECREF(seq);
-    return rc;
-}
-
 static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"backend", "buffers", "buffer_size", "device",
                              "candidates", NULL};
+    ss_state *st = ss_state_from_type(type);
     const char *backend = NULL;
-    Py_ssize_t nbufs = 0, bufsize = 0, ncand = 0;
+    Py_ssize_t nbufs = 0, bufsize = 0;
     int device = 0, rc = 0, cuda;
-    PyObject *cand_obj = Py_None, *cand_refs = NULL;
-    const char **cands = NULL;
+    PyObject *cand_obj = Py_None;
     const ss_cuda *cu = NULL;
     StageObject *self = NULL;
     ss_errinfo info;
-    char reason[SS_DL_REASON_MAX] = "";
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "snn|iO:Stage", kwlist,
                                      &backend, &nbufs, &bufsize, &device,
@@ -91,20 +52,17 @@ static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (device < 0)
         return PyErr_Format(PyExc_ValueError, "device must be >= 0, got %d",
                             device);
-    if (ss_py_candidates(cand_obj, &cand_refs, &cands, &ncand) < 0)
-        goto out;
+    if (cuda && ss_py_load_libs(st, "Stage", cand_obj, Py_None, &cu, NULL) < 0)
+        return NULL;
     self = (StageObject *)type->tp_alloc(type, 0);
     if (self == NULL)
-        goto out;
+        return NULL;
     self->backend = cuda ? "cuda" : "host";
     self->device = device;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
     if (cuda) {
-        rc = ss_cuda_load(ncand ? cands : NULL, (size_t)ncand, &cu, reason,
-                          sizeof reason);
-        if (rc == 0)
-            rc = ss_devcuda_new(&self->cuda, cu, device, &info);
+        rc = ss_devcuda_new(&self->cuda, cu, device, &info);
         if (rc == 0)
             rc = ss_stage_new(&self->stage, ss_devcuda_dev(self->cuda),
                               (size_t)nbufs, (size_t)bufsize);
@@ -117,13 +75,10 @@ static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         if (info.code == 0) /* else ss_devcuda_new described it */
-            ss_errinfo_set(&info, rc, "stage", NULL, -1, "%s", reason);
-        Py_CLEAR(self);
-        ss_py_raise(ss_state_from_type(type), rc, &info);
+            ss_errinfo_set(&info, rc, "stage", NULL, -1, NULL);
+        Py_DECREF(self);
+        return ss_py_raise(st, rc, &info);
     }
-out:
-    Py_XDECREF(cand_refs);
-    PyMem_Free(cands);
     return (PyObject *)self;
 }
 
