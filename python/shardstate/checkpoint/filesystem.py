@@ -809,12 +809,13 @@ class FileSystemReader(StorageReader):
         self._armed: Any = None
         self.read_stats: dict[str, int] = _new_stats()
         # CUDA destinations read through the staging pipeline: (device,
-        # Stage or None), fixed by the first CUDA destination seen
+        # Stage or None), fixed by the load's first CUDA destination
         self._cuda: tuple[Any, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         self._coord = None  # set again by shardstate's load, after reset
+        self._cuda = None  # each load picks its staging device afresh
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
