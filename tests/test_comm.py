@@ -174,3 +174,124 @@ def test_cpu_tensors_use_torch_distributed(run_distributed):
         assert bc == [1.0] * 4
         assert sc == [2.0 * rank, 2.0 * rank + 1]
         assert ga == ([0.0, 0.0, 1.0, 1.0, 2.0, 2.0] if rank == 1 else None)
+
+
+# ---------------------------------------------------------------------------
+# gloo groups: all-gather and gather of CPU tensors go point to point
+# ---------------------------------------------------------------------------
+
+_P2P_DTYPES = ("float32", "bfloat16", "float64", "int8", "int64", "bool")
+
+
+def _p2p_vs_gloo(rank, world):
+    """Every comm.all_gather_into / comm.gather equals gloo's own collective
+    on the same inputs, for several dtypes and sizes, on the world group and
+    on a subgroup of the odd ranks; the point-to-point path really ran
+    (counted), the collectives did not, and user messages on tag 0 queued
+    before are not taken by it."""
+    import torch
+    import torch.distributed as dist
+
+    from shardstate import comm
+
+    counts = {"isend": 0, "irecv": 0, "gather": 0, "all_gather_single": 0}
+    saved = {k: getattr(dist, k) for k in counts}
+
+    def counting(k):
+        def call(*a, **kw):
+            counts[k] += 1
+            return saved[k](*a, **kw)
+        return call
+
+    def values(dtype, n, salt):
+        g = torch.Generator().manual_seed(1000 * rank + salt)
+        t = torch.randint(-100, 100, (n,), generator=g)
+        return (t > 0) if dtype == torch.bool else t.to(dtype)
+
+    groups = [(None, world, rank)]
+    odd = [r for r in range(world) if r % 2]
+    sub = dist.new_group(odd) if odd else None  # every rank takes part in new_group
+    if rank in odd:
+        groups.append((sub, len(odd), odd.index(rank)))
+    mismatches = []
+    for group, gw, grank in groups:
+        for salt, name in enumerate(_P2P_DTYPES):
+            dtype = getattr(torch, name)
+            for n in (1, 7, 300_001):
+                x = values(dtype, n, salt + 10 * n)
+                want = torch.empty(gw * n, dtype=dtype)
+                dist.all_gather_single(want, x, group=group)
+                for k in counts:
+                    setattr(dist, k, counting(k))
+                try:
+                    got = torch.full((gw * n,), 1, dtype=dtype)
+                    comm.all_gather_into(got, x, group)
+                    dst = (n + salt) % gw
+                    full = torch.zeros(gw * n, dtype=dtype) if grank == dst else None
+                    comm.gather(full, x, dst, group)
+                finally:
+                    for k, f in saved.items():
+                        setattr(dist, k, f)
+                if not torch.equal(got, want):
+                    mismatches.append(("all_gather", gw, name, n))
+                if full is not None and not torch.equal(full, want):
+                    mismatches.append(("gather", gw, name, n))
+    # a user's own message on tag 0, sent before and received after, is
+    # untouched by shardstate's traffic in between
+    user = None
+    if world >= 2 and rank < 2:
+        if rank == 0:
+            dist.send(torch.tensor([42.0]), dst=1)
+        else:
+            box = torch.zeros(1)
+            w = dist.irecv(box, src=0)
+    out = torch.empty(world * 2)
+    comm.all_gather_into(out, torch.full((2,), float(rank)), None)
+    if world >= 2 and rank == 1:
+        w.wait()
+        user = box.item()
+    return mismatches, counts, out.tolist(), user
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gloo_gathers_go_point_to_point(run_distributed, world):
+    for rank, (bad, counts, out, user) in enumerate(run_distributed(_p2p_vs_gloo, world)):
+        assert bad == [], (rank, bad)
+        assert counts["gather"] == 0 and counts["all_gather_single"] == 0, (rank, counts)
+        if world > 1:
+            assert counts["isend"] > 0 and counts["irecv"] > 0, (rank, counts)
+        assert out == [float(r) for r in range(world) for _ in range(2)]
+        if rank == 1:
+            assert user == 42.0
+
+
+def _p2p_errors(rank, world):
+    import torch
+
+    from shardstate import comm
+
+    errs = []
+    for fn in (
+        lambda: comm.all_gather_into(torch.empty(world * 3 + 1), torch.zeros(3)),
+        lambda: comm.all_gather_into(torch.empty(world * 3, dtype=torch.float64), torch.zeros(3)),
+        lambda: comm.gather(torch.empty(5), torch.zeros(3), rank),
+        lambda: comm.gather(None, torch.zeros(3), rank),
+    ):
+        try:
+            fn()
+            errs.append(None)
+        except (TypeError, ValueError) as e:
+            errs.append(str(e))
+    os.environ["SHARDSTATE_P2P"] = "0"  # the collective path, on request
+    out = torch.empty(world * 2)
+    comm.all_gather_into(out, torch.full((2,), float(rank)))
+    return errs, out.tolist()
+
+
+def test_gloo_point_to_point_checks_its_arguments(run_distributed):
+    for errs, out in run_distributed(_p2p_errors, 2):
+        assert "not 2 ranks x 3" in errs[0]
+        assert "torch.float64" in errs[1] and "torch.float32" in errs[1]
+        assert "not 2 ranks x 3" in errs[2]
+        assert "needs an out tensor" in errs[3]
+        assert out == [0.0, 0.0, 1.0, 1.0]

@@ -430,27 +430,53 @@ _COUNTED = (
     "broadcast",
     "all_to_all_single",
     "all_reduce",
+    "isend",
+    "irecv",
 )
+# shardstate.comm's transfers, counted as one each whatever they run on
+# (gloo's point-to-point messages, a collective, NCCL); what they call
+# inside is not counted again.
+_COMM_COUNTED = ("gather", "all_gather_into", "scatter", "broadcast")
 
 
 def _count_collectives(fn: Any) -> dict[str, int]:
-    counts = dict.fromkeys(_COUNTED, 0)
+    from shardstate import comm
+
+    counts = dict.fromkeys(_COUNTED + tuple(f"comm.{n}" for n in _COMM_COUNTED), 0)
     saved = {name: getattr(dist, name) for name in _COUNTED}
+    saved_comm = {name: getattr(comm, name) for name in _COMM_COUNTED}
+    depth = [0]
 
     def counting(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            if not depth[0]:
+                counts[name] += 1
             return saved[name](*args, **kwargs)
+
+        return call
+
+    def counting_comm(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[f"comm.{name}"] += 1
+            depth[0] += 1
+            try:
+                return saved_comm[name](*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return call
 
     for name in _COUNTED:
         setattr(dist, name, counting(name))
+    for name in _COMM_COUNTED:
+        setattr(comm, name, counting_comm(name))
     try:
         fn()
     finally:
         for name, f in saved.items():
             setattr(dist, name, f)
+        for name, f in saved_comm.items():
+            setattr(comm, name, f)
     return {k: v for k, v in counts.items() if v}
 
 
@@ -489,9 +515,9 @@ def test_one_collective_per_unit_and_state(run_distributed) -> None:
             # With FlatParameters every save also runs the one all_reduce of
             # torch's key mapping (_map_param_key_to_optim_keys: keys missing?).
             key_check = {} if use_orig_params else {"all_reduce": 1}
-            assert r0_save == {"gather": 6, **key_check}, (where, r0_save)  # none full off 0
-            assert r0_load == {"scatter": 6}, (where, r0_load)  # no full tensor broadcast
-            assert full_save == {"all_gather_single": 6, **key_check}, (where, full_save)
+            assert r0_save == {"comm.gather": 6, **key_check}, (where, r0_save)  # none full off 0
+            assert r0_load == {"comm.scatter": 6}, (where, r0_load)  # no full tensor broadcast
+            assert full_save == {"comm.all_gather_into": 6, **key_check}, (where, full_save)
             # Each rank receives only its dim-0 chunks, never the whole unit.
             assert sharded_save == {"all_to_all_single": 6, **key_check}, (where, sharded_save)
 
@@ -616,7 +642,7 @@ def test_sharded_load_no_shard(run_distributed) -> None:
     for rank, results in enumerate(per_rank):
         for use_orig_params, kind, counts in results:
             states = 2 if kind == "adam" else 1
-            want = {"all_gather_single": 3 * states, "all_reduce": 1}
+            want = {"comm.all_gather_into": 3 * states, "all_reduce": 1}
             assert counts == want, (rank, use_orig_params, kind, counts)
 
 
@@ -651,7 +677,8 @@ def test_set_optimizer_state_dict_uses_the_exchange(run_distributed) -> None:
     for rank, per_flag in enumerate(run_distributed(_state_dict_route, 3)):
         for counts in per_flag:
             assert counts.get("all_to_all_single") == 6, (rank, counts)
-            assert not {"all_gather", "all_gather_single", "all_gather_into_tensor"} & set(
+            assert not {"all_gather", "all_gather_single", "all_gather_into_tensor",
+                        "comm.all_gather_into"} & set(
                 counts
             ), (rank, counts)
 

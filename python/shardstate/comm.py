@@ -16,7 +16,13 @@ only the transport differs:
   tears the group down). Its collectives are ordered after the work queued
   on the current CUDA stream, and that stream waits for them.
 * Everything else (CPU tensors, gloo groups, no NCCL) goes through
-  ``torch.distributed`` on the group, as before.
+  ``torch.distributed`` on the group. On a gloo group the all-gather and
+  the gather of CPU tensors are torch.distributed's point-to-point
+  ``isend``/``irecv`` straight between each pair of ranks, every receive
+  landing in its slice of ``out``: gloo's own ``gather`` and
+  ``all_gather_into_tensor`` move the same bytes three times slower
+  (``benchmarks/bench_comm.py``). Broadcast and scatter stay gloo's
+  collectives, which are as fast as the point-to-point form.
 
 Set ``SHARDSTATE_NCCL=0`` to keep CUDA tensors on ``torch.distributed``
 as well.
@@ -143,12 +149,59 @@ def _nccl_for(tensors: list[Any], group: Any) -> Any:
     return communicator(group, tensors[0].device.index)
 
 
+# The tag of shardstate's point-to-point messages, apart from a user's tag 0.
+P2P_TAG = 0x5353
+
+
+def _p2p_for(tensors: list[Any], group: Any) -> bool:
+    """Whether ``tensors`` (CPU, contiguous) on ``group`` go point to point."""
+    if os.environ.get("SHARDSTATE_P2P", "1") == "0":
+        return False
+    if not all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return False
+    return "gloo" in str(_dist().get_backend(group))
+
+
+def _p2p_exchange(sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], group: Any) -> None:
+    """Post every receive, then every send (``(tensor, group rank)`` pairs,
+    as bytes), and wait for all of them; the first failure is raised after
+    the rest have been waited for, so no buffer is released while in use."""
+    dist = _dist()
+    works = [dist.irecv(_bytes(t), group=group, group_src=src, tag=P2P_TAG) for t, src in recvs]
+    works += [dist.isend(_bytes(t), group=group, group_dst=dst, tag=P2P_TAG) for t, dst in sends]
+    err = None
+    for w in works:
+        try:
+            w.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _blocks(out: Any, inp: Any, world: int) -> list[Any]:
+    """``out`` as ``world`` blocks of ``inp.numel()`` (> 0) elements."""
+    n = inp.numel()
+    if out.dtype != inp.dtype:
+        raise TypeError(f"out is {out.dtype} but the input is {inp.dtype}")
+    if out.numel() != n * world:
+        raise ValueError(f"out has {out.numel()} elements, not {world} ranks x {n}")
+    return list(out.reshape(-1).split(n))
+
+
 def all_gather_into(out: Any, inp: Any, group: Any = None) -> None:
     """``out`` (world x ``inp`` elements) <- every rank's ``inp`` in rank
     order (torch's ``all_gather_single``)."""
     comm = _nccl_for([out, inp], group)
     if comm is None:
         dist = _dist()
+        if _p2p_for([out, inp], group) and inp.numel():
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            blocks = _blocks(out, inp, world)
+            blocks[me].copy_(inp.reshape(-1))
+            others = [r for r in range(world) if r != me]
+            _p2p_exchange([(inp, r) for r in others], [(blocks[r], r) for r in others], group)
+            return
         # all_gather_single is torch 2.13's name; older releases have the other
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, inp, group=group)
@@ -186,6 +239,17 @@ def gather(out: Any, inp: Any, group_dst: int, group: Any = None) -> None:
     dist = _dist()
     comm = _nccl_for([inp] + ([out] if out is not None else []), group)
     if comm is None:
+        if _p2p_for([inp] + ([out] if out is not None else []), group) and inp.numel():
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            if me != group_dst:
+                _p2p_exchange([(inp, group_dst)], [], group)
+                return
+            if out is None:
+                raise ValueError("gather: the destination rank needs an out tensor")
+            blocks = _blocks(out, inp, world)
+            blocks[me].copy_(inp.reshape(-1))
+            _p2p_exchange([], [(blocks[r], r) for r in range(world) if r != me], group)
+            return
         parts = list(out.reshape(-1).split(inp.numel())) if out is not None else None
         dist.gather(inp, parts, group=group, group_dst=group_dst)
         return
