@@ -37,8 +37,8 @@ from typing import Any
 
 from . import _core
 
-__all__ = ["all_gather_into", "broadcast", "close_communicators", "communicator", "gather",
-           "scatter"]
+__all__ = ["all_gather_into", "broadcast", "close_communicators", "communicator", "exchange",
+           "gather", "point_to_point", "scatter"]
 
 _comms: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, NcclComm)
 _failed: set[int] = set()  # groups whose communicator could not be made
@@ -153,8 +153,9 @@ def _nccl_for(tensors: list[Any], group: Any) -> Any:
 P2P_TAG = 0x5353
 
 
-def _p2p_for(tensors: list[Any], group: Any) -> bool:
-    """Whether ``tensors`` (CPU, contiguous) on ``group`` go point to point."""
+def point_to_point(tensors: list[Any], group: Any = None) -> bool:
+    """Whether ``tensors`` (CPU, contiguous) on ``group`` travel as
+    point-to-point messages (a gloo group; ``SHARDSTATE_P2P=0``: never)."""
     if os.environ.get("SHARDSTATE_P2P", "1") == "0":
         return False
     if not all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
@@ -162,10 +163,13 @@ def _p2p_for(tensors: list[Any], group: Any) -> bool:
     return "gloo" in str(_dist().get_backend(group))
 
 
-def _p2p_exchange(sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], group: Any) -> None:
-    """Post every receive, then every send (``(tensor, group rank)`` pairs,
-    as bytes), and wait for all of them; the first failure is raised after
-    the rest have been waited for, so no buffer is released while in use."""
+def exchange(sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], group: Any = None) -> None:
+    """Point-to-point messages on ``group``: every ``(tensor, group rank)``
+    of ``recvs`` is filled by a message from that rank, every one of
+    ``sends`` goes to its rank. Messages between two ranks match in the
+    order they are listed, so both sides must list them alike. All
+    receives are posted first; the first failure is raised after every
+    message has been waited for, so no buffer is released while in use."""
     dist = _dist()
     works = [dist.irecv(_bytes(t), group=group, group_src=src, tag=P2P_TAG) for t, src in recvs]
     works += [dist.isend(_bytes(t), group=group, group_dst=dst, tag=P2P_TAG) for t, dst in sends]
@@ -195,12 +199,12 @@ def all_gather_into(out: Any, inp: Any, group: Any = None) -> None:
     comm = _nccl_for([out, inp], group)
     if comm is None:
         dist = _dist()
-        if _p2p_for([out, inp], group) and inp.numel():
+        if point_to_point([out, inp], group) and inp.numel():
             world, me = dist.get_world_size(group), dist.get_rank(group)
             blocks = _blocks(out, inp, world)
             blocks[me].copy_(inp.reshape(-1))
             others = [r for r in range(world) if r != me]
-            _p2p_exchange([(inp, r) for r in others], [(blocks[r], r) for r in others], group)
+            exchange([(inp, r) for r in others], [(blocks[r], r) for r in others], group)
             return
         # all_gather_single is torch 2.13's name; older releases have the other
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -239,16 +243,16 @@ def gather(out: Any, inp: Any, group_dst: int, group: Any = None) -> None:
     dist = _dist()
     comm = _nccl_for([inp] + ([out] if out is not None else []), group)
     if comm is None:
-        if _p2p_for([inp] + ([out] if out is not None else []), group) and inp.numel():
+        if point_to_point([inp] + ([out] if out is not None else []), group) and inp.numel():
             world, me = dist.get_world_size(group), dist.get_rank(group)
             if me != group_dst:
-                _p2p_exchange([(inp, group_dst)], [], group)
+                exchange([(inp, group_dst)], [], group)
                 return
             if out is None:
                 raise ValueError("gather: the destination rank needs an out tensor")
             blocks = _blocks(out, inp, world)
             blocks[me].copy_(inp.reshape(-1))
-            _p2p_exchange([], [(blocks[r], r) for r in range(world) if r != me], group)
+            exchange([], [(blocks[r], r) for r in range(world) if r != me], group)
             return
         parts = list(out.reshape(-1).split(inp.numel())) if out is not None else None
         dist.gather(inp, parts, group=group, group_dst=group_dst)

@@ -45,6 +45,7 @@ communicates; nothing here keeps a reference to the tensors it is given.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -297,27 +298,12 @@ def pack_local_segments_into(
     would build from ``local_pieces``, without building it: one copy, straight
     from the pieces. Every segment ``(offset in shard, numel)`` must lie inside
     one parameter's part of the shard (``dim0_plan``'s send segments do)."""
-    parts = _local_parts(layout, local_pieces)
-    spans = sorted(
-        (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard, i)
-        for i, info in enumerate(layout.shard_infos)
-        if info.in_shard and info.numel_in_shard > 0
-    )
-    starts = [a for a, _, _ in spans]
     if out.dim() != 1:
         raise ValueError("pack_local_segments_into: out must be 1-D")
-    sizes, pieces, pos = [], [], 0
-    for off, n in segments:
-        k = bisect.bisect_right(starts, off) - 1
-        if n < 0 or k < 0 or off + n > spans[k][1]:
-            raise ValueError(f"segment ({off}, {n}) is not inside one parameter of the shard")
-        a, _, i = spans[k]
-        part = parts[i]
-        sizes.append(n)
-        pieces.append(None if part is None else part[0][off - a : off - a + n])
-        pos += n
-    if pos != out.numel():
-        raise ValueError(f"segments cover {pos} of {out.numel()} elements")
+    pieces = local_segment_views(layout, local_pieces, segments)
+    sizes = [n for _, n in segments]
+    if sum(sizes) != out.numel():
+        raise ValueError(f"segments cover {sum(sizes)} of {out.numel()} elements")
     if segments:
         _run_flatten([(FlatLayout(sizes, 1), 0, pieces, out)])
 
@@ -419,6 +405,99 @@ def dim0_plan(layout: UnitLayout) -> Dim0Plan | None:
         recv_segments=tuple(tuple(p) for p in per_param),
         chunk_numels=tuple(chunk_numels),
     )
+
+
+@dataclass(frozen=True)
+class Dim0Messages:
+    """A ``Dim0Plan`` as point-to-point messages, one per parameter and
+    pair of ranks, in the order both ends list them (parameter order).
+
+    ``shard_side[r]``: the ``(offset in this rank's flat shard, numel)``
+    segments exchanged with rank ``r``; ``chunk_side[r]``: the
+    ``(parameter, start in its dim-0 chunk, numel)`` pieces exchanged with
+    rank ``r``. A save sends ``shard_side`` and receives ``chunk_side``; a
+    load, backwards, sends ``chunk_side`` and receives ``shard_side``. Rank
+    ``r``'s ``shard_side[me]`` and this rank's ``chunk_side[r]`` describe
+    the same messages (and ``chunk_side[me]`` pairs with ``shard_side[me]``
+    for the rank's own part).
+    """
+
+    shard_side: tuple[tuple[tuple[int, int], ...], ...]
+    chunk_side: tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+def dim0_messages(plan: Dim0Plan) -> Dim0Messages:
+    """``plan``'s send and receive buffers cut into their messages."""
+    shard_side: list[list[tuple[int, int]]] = []
+    segs = iter(plan.send_segments)
+    for size in plan.send_sizes:
+        got, mine = 0, []
+        while got < size:
+            off, n = next(segs)
+            mine.append((off, n))
+            got += n
+        if got != size:
+            raise AssertionError("dim-0 plan: send segments do not add up to a rank's size")
+        shard_side.append(mine)
+    starts = list(itertools.accumulate(plan.recv_sizes, initial=0))
+    by_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in plan.recv_sizes]
+    for i, piece_segs in enumerate(plan.recv_segments):
+        at = 0
+        for pos, k in piece_segs:
+            r = bisect.bisect_right(starts, pos) - 1
+            if pos + k > starts[r + 1]:
+                raise AssertionError("dim-0 plan: a chunk piece crosses two ranks' blocks")
+            by_rank[r].append((pos, i, at, k))
+            at += k
+    chunk_side = tuple(tuple((i, at, k) for _, i, at, k in sorted(m)) for m in by_rank)
+    return Dim0Messages(tuple(tuple(m) for m in shard_side), chunk_side)
+
+
+def local_segment_views(
+    layout: UnitLayout,
+    local_pieces: Sequence[torch.Tensor | None],
+    segments: Sequence[tuple[int, int]],
+) -> list[torch.Tensor | None]:
+    """Each ``(offset in shard, numel)`` segment of the shard that
+    ``pack_local_into`` would build from ``local_pieces``, as a 1-D view of
+    its piece (None where the piece is None: zeros), without building the
+    shard. Every segment must lie inside one parameter's part."""
+    parts = _local_parts(layout, local_pieces)
+    spans = sorted(
+        (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard, i)
+        for i, info in enumerate(layout.shard_infos)
+        if info.in_shard and info.numel_in_shard > 0
+    )
+    starts = [a for a, _, _ in spans]
+    out: list[torch.Tensor | None] = []
+    for off, n in segments:
+        k = bisect.bisect_right(starts, off) - 1
+        if n < 0 or k < 0 or off + n > spans[k][1]:
+            raise ValueError(f"segment ({off}, {n}) is not inside one parameter of the shard")
+        a, _, i = spans[k]
+        part = parts[i]
+        out.append(None if part is None else part[0][off - a : off - a + n])
+    return out
+
+
+def zero_padding(layout: UnitLayout, shard: torch.Tensor) -> None:
+    """Zero the elements of this rank's flat ``shard`` that belong to no
+    parameter (alignment and world-size padding), as optimizer state holds them."""
+    if shard.dim() != 1 or shard.numel() != layout.shard_numel:
+        raise ValueError(
+            f"zero_padding: the shard has {layout.shard_numel} elements, got {tuple(shard.shape)}"
+        )
+    pos = 0
+    for a, b in sorted(
+        (si.offset_in_shard, si.offset_in_shard + si.numel_in_shard)
+        for si in layout.shard_infos
+        if si.in_shard and si.numel_in_shard
+    ):
+        if a > pos:
+            shard[pos:a].zero_()
+        pos = max(pos, b)
+    if pos < shard.numel():
+        shard[pos:].zero_()
 
 
 def pack_segments_many(

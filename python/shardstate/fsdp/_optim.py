@@ -174,15 +174,19 @@ def _dim0_chunks(
     plan = _flatops.dim0_plan(layout)
     if plan is None:
         return None
+    if isinstance(local, torch.Tensor) and (
+        local.dim() != 1 or local.numel() != layout.shard_numel
+    ):
+        raise ValueError(
+            f"optimizer state {what} should be this rank's flat shard of "
+            f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
+        )
+    if device.type == "cpu" and comm.point_to_point([], pg):
+        return _dim0_chunks_p2p(local, layout, plan, pg, dtype)
     send = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
     if isinstance(local, list):
         _flatops.pack_local_segments_into(layout, local, plan.send_segments, send)
     else:
-        if local.dim() != 1 or local.numel() != layout.shard_numel:
-            raise ValueError(
-                f"optimizer state {what} should be this rank's flat shard of "
-                f"{layout.shard_numel} elements but has shape {tuple(local.shape)}"
-            )
         _flatops.pack_segments(local, plan.send_segments, send)
     recv = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
     dist.all_to_all_single(recv, send, list(plan.recv_sizes), list(plan.send_sizes), group=pg)
@@ -201,6 +205,49 @@ def _dim0_chunks(
         jobs.append((recv, segs, chunk))
         out.append(chunk)
     _flatops.pack_segments_many(jobs)  # the chunks cut by a shard boundary, one C batch
+    return out
+
+
+def _dim0_chunks_p2p(
+    local: torch.Tensor | list[torch.Tensor | None],
+    layout: _flatops.UnitLayout,
+    plan: _flatops.Dim0Plan,
+    pg: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """``_dim0_chunks`` as point-to-point messages (gloo): each segment of
+    the local state goes from where it lies, each received piece lands in
+    its chunk; nothing is packed or unpacked."""
+    msgs = _flatops.dim0_messages(plan)
+    me = layout.rank
+    out = [torch.empty(n, dtype=dtype) for n in plan.chunk_numels]
+    zeros: list[torch.Tensor] = []
+
+    def segments(segs: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+        if isinstance(local, list):
+            views = _flatops.local_segment_views(layout, local, segs)
+        else:
+            views = [local[off : off + n] for off, n in segs]
+        res = []
+        for v, (_, n) in zip(views, segs):
+            if v is None:  # a parameter without this state: zeros, as the packed buffer held
+                if not zeros or zeros[0].numel() < n:
+                    zeros[:] = [torch.zeros(n, dtype=dtype)]
+                v = zeros[0][:n]
+            elif v.dtype != dtype:
+                raise ValueError(f"local optimizer state is {v.dtype}, expected {dtype}")
+            res.append(v.contiguous())
+        return res
+
+    def pieces(r: int) -> list[torch.Tensor]:
+        return [out[i][at : at + k] for i, at, k in msgs.chunk_side[r]]
+
+    for src, dst in zip(segments(msgs.shard_side[me]), pieces(me)):
+        dst.copy_(src)
+    sends = [(t, r) for r in range(layout.world_size) if r != me
+             for t in segments(msgs.shard_side[r])]
+    recvs = [(t, r) for r in range(layout.world_size) if r != me for t in pieces(r)]
+    comm.exchange(sends, recvs, pg)
     return out
 
 
@@ -868,16 +915,22 @@ def _exchange_chunks(
     layout: _flatops.UnitLayout,
     chunks: list[torch.Tensor | None],
     dtype: torch.dtype,
-) -> list[tuple[int, torch.Tensor]]:
-    """The inverse of ``_dim0_chunks``, one collective: every rank's dim-0
+    into: Any = None,
+) -> list[tuple[int, torch.Tensor]] | None:
+    """The inverse of ``_dim0_chunks``, one exchange: every rank's dim-0
     chunks of the unit's parameters (``chunks[i]``, None for zeros) -> the
     pieces of this rank's local flat state, as ``(offset, piece)`` pairs in
     the flat shard (or, not sharded, the whole unpadded flat buffer).
 
     Sharded: one ``all_to_all_single`` on ``dim0_plan`` with the roles
     swapped (what the save receives is sent, what it sends is received), so
-    every rank receives only its shard. NO_SHARD: one all-gather of every
-    rank's packed chunks (every rank needs the whole unit).
+    every rank receives only its shard. On a gloo group, given ``into``
+    (``into(offset, numel)``: the 1-D view of the final destination of that
+    part of the flat shard, or None to drop it), the pieces travel as
+    point-to-point messages straight from the chunks into their
+    destinations instead, and the result is None: every non-padding element
+    of the shard has been written, the padding is left alone. NO_SHARD: one
+    all-gather of every rank's packed chunks (every rank needs the whole unit).
     """
     pg, device = fsdp_state.process_group, fsdp_state.compute_device
     ws, rank = fsdp_state.world_size, fsdp_state.rank
@@ -893,6 +946,9 @@ def _exchange_chunks(
     if layout.sharded:
         plan = _flatops.dim0_plan(layout)
         assert plan is not None
+        if into is not None and device.type == "cpu" and comm.point_to_point([], pg):
+            _exchange_chunks_p2p(layout, plan, chunks, dtype, into, pg)
+            return None
         send = torch.empty(sum(plan.recv_sizes), dtype=dtype, device=device)
         _flatops.pack_chunks_into(plan, chunks, send)
         recv = torch.empty(sum(plan.send_sizes), dtype=dtype, device=device)
@@ -919,6 +975,52 @@ def _exchange_chunks(
                 out.append((layout.offsets[i] + r * numels[0][i], every[pos : pos + n]))
             pos += n
     return out
+
+
+def _exchange_chunks_p2p(
+    layout: _flatops.UnitLayout,
+    plan: _flatops.Dim0Plan,
+    chunks: list[torch.Tensor | None],
+    dtype: torch.dtype,
+    into: Any,
+    pg: dist.ProcessGroup | None,
+) -> None:
+    """``_exchange_chunks``'s sharded exchange as point-to-point messages
+    (gloo): ``_dim0_chunks_p2p`` backwards."""
+    msgs = _flatops.dim0_messages(plan)
+    me = layout.rank
+    zeros: list[torch.Tensor] = []
+
+    def pieces(r: int) -> list[torch.Tensor]:
+        res = []
+        for i, at, k in msgs.chunk_side[r]:
+            c = chunks[i]
+            if c is None:  # no state for this parameter: zeros, as the packed buffer held
+                if not zeros or zeros[0].numel() < k:
+                    zeros[:] = [torch.zeros(k, dtype=dtype)]
+                res.append(zeros[0][:k])
+                continue
+            if c.dtype != dtype:
+                raise ValueError(f"parameter {i}'s dim-0 chunk is {c.dtype}, expected {dtype}")
+            res.append(c.reshape(-1)[at : at + k].contiguous())
+        return res
+
+    def dests(r: int) -> list[torch.Tensor]:
+        res = []
+        for off, n in msgs.shard_side[r]:
+            v = into(off, n)
+            if v is None:
+                v = torch.empty(n, dtype=dtype)  # received and dropped
+            elif v.dtype != dtype or v.numel() != n or not v.is_contiguous():
+                raise AssertionError(f"the destination of ({off}, {n}) is not {n} {dtype}")
+            res.append(v)
+        return res
+
+    for src, dst in zip(pieces(me), dests(me)):
+        dst.copy_(src)
+    sends = [(t, r) for r in range(layout.world_size) if r != me for t in pieces(r)]
+    recvs = [(t, r) for r in range(layout.world_size) if r != me for t in dests(r)]
+    comm.exchange(sends, recvs, pg)
 
 
 def _sharded_unit_states(
@@ -1032,8 +1134,13 @@ def _flatten_flat_unit(
                     _local_chunk(s[state_name]) if s is not None else None for s in raw
                 ]
                 shard = torch.empty(layout.shard_numel, dtype=dtype, device=cpu)
-                items = _exchange_chunks(fsdp_state, layout, chunks, dtype)
-                _flatops.place_many([(shard, items)])
+                items = _exchange_chunks(
+                    fsdp_state, layout, chunks, dtype, into=lambda off, n: shard[off : off + n]
+                )
+                if items is None:  # received in place: the padding is still to be zeroed
+                    _flatops.zero_padding(layout, shard)
+                else:
+                    _flatops.place_many([(shard, items)])
                 flat[state_name] = shard
             elif rank0_only:
                 pieces = None if receiving else values
@@ -1179,7 +1286,6 @@ def _shard_orig_unit_from_chunks(
         chunks = [
             _local_chunk(by_idx[i]) if i in by_idx else None for i in range(layout.num_params)
         ]
-        items = _exchange_chunks(fsdp_state, layout, chunks, dtype)
         outs: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}
         for i in by_idx:
             si = layout.shard_infos[i]
@@ -1187,6 +1293,18 @@ def _shard_orig_unit_from_chunks(
                 outs[i] = (torch.empty(layout.shapes[i], dtype=dtype), [])
             elif si.in_shard:
                 outs[i] = (torch.empty(cast(int, si.numel_in_shard), dtype=dtype), [])
+
+        def into(off: int, n: int, outs: Any = outs) -> torch.Tensor | None:
+            a, b, i = spans[bisect.bisect_right(starts, off) - 1]
+            if off + n > b:
+                raise AssertionError(f"a received piece at {off} crosses parameter {i}'s end")
+            return outs[i][0].view(-1)[off - a : off - a + n] if i in outs else None
+
+        items = _exchange_chunks(fsdp_state, layout, chunks, dtype, into=into)
+        for i, (t, _) in outs.items():
+            loaded[(i, name)] = t
+        if items is None:  # received in place: each parameter's part is covered whole
+            continue
         for off, piece in items:
             a, b, i = spans[bisect.bisect_right(starts, off) - 1]
             if off + piece.numel() > b:
@@ -1194,8 +1312,6 @@ def _shard_orig_unit_from_chunks(
             if i in outs:
                 outs[i][1].append((off - a, piece))
         _flatops.place_many([(t.view(-1), parts) for t, parts in outs.values()])
-        for i, (t, _) in outs.items():
-            loaded[(i, name)] = t
     fast = {(i, name) for (name, _), by_idx in groups.items() for i in by_idx}
     out: dict[str, dict[str, Any]] = {}
     for fqn in fqns:
