@@ -208,6 +208,14 @@ def _dim0_chunks(
     return out
 
 
+def _zeros(cache: list[torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` zeros, a view of one zero buffer kept in ``cache`` (grown as
+    needed) for the messages of a parameter without state."""
+    if not cache or cache[0].numel() < n:
+        cache[:] = [torch.zeros(n, dtype=dtype)]
+    return cache[0][:n]
+
+
 def _dim0_chunks_p2p(
     local: torch.Tensor | list[torch.Tensor | None],
     layout: _flatops.UnitLayout,
@@ -231,9 +239,7 @@ def _dim0_chunks_p2p(
         res = []
         for v, (_, n) in zip(views, segs):
             if v is None:  # a parameter without this state: zeros, as the packed buffer held
-                if not zeros or zeros[0].numel() < n:
-                    zeros[:] = [torch.zeros(n, dtype=dtype)]
-                v = zeros[0][:n]
+                v = _zeros(zeros, n, dtype)
             elif v.dtype != dtype:
                 raise ValueError(f"local optimizer state is {v.dtype}, expected {dtype}")
             res.append(v.contiguous())
@@ -996,9 +1002,7 @@ def _exchange_chunks_p2p(
         for i, at, k in msgs.chunk_side[r]:
             c = chunks[i]
             if c is None:  # no state for this parameter: zeros, as the packed buffer held
-                if not zeros or zeros[0].numel() < k:
-                    zeros[:] = [torch.zeros(k, dtype=dtype)]
-                res.append(zeros[0][:k])
+                res.append(_zeros(zeros, k, dtype))
                 continue
             if c.dtype != dtype:
                 raise ValueError(f"parameter {i}'s dim-0 chunk is {c.dtype}, expected {dtype}")
