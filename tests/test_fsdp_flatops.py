@@ -194,6 +194,61 @@ def test_dim0_all_to_all_backwards_simulated(shapes, world_size, align, dtype, s
         assert torch.equal(shard, want), me
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=shapes_st,
+    world_size=st.integers(2, 5),
+    align=st.sampled_from([0, 4]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_dim0_messages_simulated(shapes, world_size, align, dtype, seed) -> None:
+    # The point-to-point form of both exchanges (gloo), rank by rank:
+    # rank s's shard_side[d] and rank d's chunk_side[s] are the same messages
+    # in the same order, sizes matching one for one; delivered that way, a
+    # save gives every rank torch.chunk(param, W, dim=0)[rank] and a load
+    # gives back flatten_shard_into's flat shard (padding zeroed).
+    handle = _handle(shapes, world_size, align)
+    pieces = _pieces(shapes, dtype, seed)
+    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
+    plans = [_flatops.dim0_plan(lay) for lay in layouts]
+    msgs = [_flatops.dim0_messages(plan) for plan in plans]
+    shards = []
+    for lay in layouts:
+        shard = torch.empty(lay.shard_numel, dtype=dtype)
+        _flatops.flatten_shard_into(lay, pieces, lay.rank, shard)
+        shards.append(shard)
+    for s in range(world_size):
+        for d in range(world_size):
+            a, b = msgs[s].shard_side[d], msgs[d].chunk_side[s]
+            assert [n for _, n in a] == [k for _, _, k in b], (s, d)
+            assert sum(n for _, n in a) == plans[s].send_sizes[d]
+            # use_orig_params: the same segments as views of the local pieces
+            local = [_flatops.slice_local(layouts[s], i, p, full=True) for i, p in enumerate(pieces)]
+            views = _flatops.local_segment_views(layouts[s], local, a)
+            for v, (off, n) in zip(views, a):
+                assert v is not None and torch.equal(v, shards[s][off : off + n])
+    # save: shard segments -> chunks
+    chunks = [[torch.full((n,), 7, dtype=dtype) for n in plan.chunk_numels] for plan in plans]
+    for s in range(world_size):
+        for d in range(world_size):
+            for (off, n), (i, at, k) in zip(msgs[s].shard_side[d], msgs[d].chunk_side[s]):
+                chunks[d][i][at : at + k] = shards[s][off : off + n]
+    for d in range(world_size):
+        for i, p in enumerate(pieces):
+            ref = torch.chunk(p, world_size, dim=0)
+            want = ref[d].reshape(-1) if d < len(ref) else p.new_empty(0)
+            assert torch.equal(chunks[d][i], want), (i, d)
+    # load: chunks -> shard segments, the padding zeroed afterwards
+    for d, lay in enumerate(layouts):
+        got = torch.full((lay.shard_numel,), 7, dtype=dtype)
+        for s in range(world_size):
+            for (off, n), (i, at, k) in zip(msgs[d].shard_side[s], msgs[s].chunk_side[d]):
+                got[off : off + n] = chunks[s][i][at : at + k]
+        _flatops.zero_padding(lay, got)
+        assert torch.equal(got, shards[d]), d
+
+
 def test_place_many_and_chunk_numels() -> None:
     out = torch.full((8,), 7.0)
     _flatops.place_many([(out, [(5, torch.tensor([3.0, 4.0])), (1, torch.tensor([[1.0, 2.0]]))])])
