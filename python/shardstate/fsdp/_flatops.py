@@ -453,6 +453,16 @@ def dim0_messages(plan: Dim0Plan) -> Dim0Messages:
     return Dim0Messages(tuple(tuple(m) for m in shard_side), chunk_side)
 
 
+def shard_spans(layout: UnitLayout) -> list[tuple[int, int, int]]:
+    """``(start, end, parameter)`` of every parameter's non-empty part of this
+    rank's flat shard, in shard order."""
+    return sorted(
+        (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard, i)
+        for i, info in enumerate(layout.shard_infos)
+        if info.in_shard and info.numel_in_shard > 0
+    )
+
+
 def local_segment_views(
     layout: UnitLayout,
     local_pieces: Sequence[torch.Tensor | None],
@@ -463,11 +473,7 @@ def local_segment_views(
     its piece (None where the piece is None: zeros), without building the
     shard. Every segment must lie inside one parameter's part."""
     parts = _local_parts(layout, local_pieces)
-    spans = sorted(
-        (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard, i)
-        for i, info in enumerate(layout.shard_infos)
-        if info.in_shard and info.numel_in_shard > 0
-    )
+    spans = shard_spans(layout)
     starts = [a for a, _, _ in spans]
     out: list[torch.Tensor | None] = []
     for off, n in segments:
@@ -488,11 +494,7 @@ def zero_padding(layout: UnitLayout, shard: torch.Tensor) -> None:
             f"zero_padding: the shard has {layout.shard_numel} elements, got {tuple(shard.shape)}"
         )
     pos = 0
-    for a, b in sorted(
-        (si.offset_in_shard, si.offset_in_shard + si.numel_in_shard)
-        for si in layout.shard_infos
-        if si.in_shard and si.numel_in_shard
-    ):
+    for a, b, _ in shard_spans(layout):
         if a > pos:
             shard[pos:a].zero_()
         pos = max(pos, b)

@@ -1274,11 +1274,7 @@ def _shard_orig_unit_from_chunks(
                 groups.setdefault((name, _dist_dtype(v)), {})[idx] = v
     # Where each parameter lies in the local flat state the exchange fills.
     if layout.sharded:
-        spans = sorted(
-            (si.offset_in_shard, si.offset_in_shard + si.numel_in_shard, i)
-            for i, si in enumerate(layout.shard_infos)
-            if si.in_shard and si.numel_in_shard
-        )
+        spans = _flatops.shard_spans(layout)
     else:
         spans = sorted(
             (off, off + n, i) for i, (off, n) in enumerate(zip(layout.offsets, layout.numels)) if n
