@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,19 @@ def _pieces(shapes, dtype, seed: int, missing: int | None = None) -> list[torch.
         else:
             out.append(torch.randint(-1000, 1000, s, generator=g, dtype=dtype))
     return out
+
+
+def _ranks(shapes, world_size: int, align: int) -> tuple[list[Any], list[Any]]:
+    """Every rank's sharded unit layout and dim-0 plan."""
+    handle = _handle(shapes, world_size, align)
+    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
+    return layouts, [_flatops.dim0_plan(lay) for lay in layouts]
+
+
+def _chunk_ref(p: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """torch.chunk(p, world_size, dim=0)[rank], flat (empty past the last chunk)."""
+    ref = torch.chunk(p, world_size, dim=0)
+    return ref[rank].reshape(-1) if rank < len(ref) else p.new_empty(0)
 
 
 shapes_st = st.lists(
@@ -123,10 +137,8 @@ def test_layout_flatten_unflatten_pack(shapes, world_size, align, dtype, seed) -
     seed=st.integers(0, 2**16),
 )
 def test_dim0_all_to_all_simulated(shapes, world_size, align, dtype, seed) -> None:
-    handle = _handle(shapes, world_size, align)
     pieces = _pieces(shapes, dtype, seed)
-    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
-    plans = [_flatops.dim0_plan(lay) for lay in layouts]
+    layouts, plans = _ranks(shapes, world_size, align)
     shards = []
     sends = []
     for lay, plan in zip(layouts, plans):
@@ -152,9 +164,7 @@ def test_dim0_all_to_all_simulated(shapes, world_size, align, dtype, seed) -> No
             chunks.append(chunk)
         _flatops.pack_segments_many(jobs)
         for i, p in enumerate(pieces):
-            ref = torch.chunk(p, world_size, dim=0)
-            want = ref[me].reshape(-1) if me < len(ref) else p.new_empty(0)
-            assert torch.equal(chunks[i], want), (i, me)
+            assert torch.equal(chunks[i], _chunk_ref(p, world_size, me)), (i, me)
 
 
 @settings(max_examples=60, deadline=None)
@@ -169,11 +179,9 @@ def test_dim0_all_to_all_backwards_simulated(shapes, world_size, align, dtype, s
     # A sharded load: every rank holds torch.chunk(param, W, dim=0)[rank] of
     # every parameter (one may have no state: zeros); after the reverse
     # all-to-all each rank's flat shard must equal flatten_shard_into's.
-    handle = _handle(shapes, world_size, align)
     missing = seed % (len(shapes) + 1)
     pieces = _pieces(shapes, dtype, seed, missing if missing < len(shapes) else None)
-    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
-    plans = [_flatops.dim0_plan(lay) for lay in layouts]
+    layouts, plans = _ranks(shapes, world_size, align)
     sends = []
     for me, plan in enumerate(plans):
         chunks = [
@@ -208,10 +216,8 @@ def test_dim0_messages_simulated(shapes, world_size, align, dtype, seed) -> None
     # in the same order, sizes matching one for one; delivered that way, a
     # save gives every rank torch.chunk(param, W, dim=0)[rank] and a load
     # gives back flatten_shard_into's flat shard (padding zeroed).
-    handle = _handle(shapes, world_size, align)
     pieces = _pieces(shapes, dtype, seed)
-    layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
-    plans = [_flatops.dim0_plan(lay) for lay in layouts]
+    layouts, plans = _ranks(shapes, world_size, align)
     msgs = [_flatops.dim0_messages(plan) for plan in plans]
     shards = []
     for lay in layouts:
@@ -219,12 +225,12 @@ def test_dim0_messages_simulated(shapes, world_size, align, dtype, seed) -> None
         _flatops.flatten_shard_into(lay, pieces, lay.rank, shard)
         shards.append(shard)
     for s in range(world_size):
+        # use_orig_params: the same segments as views of the local pieces
+        local = [_flatops.slice_local(layouts[s], i, p, full=True) for i, p in enumerate(pieces)]
         for d in range(world_size):
             a, b = msgs[s].shard_side[d], msgs[d].chunk_side[s]
             assert [n for _, n in a] == [k for _, _, k in b], (s, d)
             assert sum(n for _, n in a) == plans[s].send_sizes[d]
-            # use_orig_params: the same segments as views of the local pieces
-            local = [_flatops.slice_local(layouts[s], i, p, full=True) for i, p in enumerate(pieces)]
             views = _flatops.local_segment_views(layouts[s], local, a)
             for v, (off, n) in zip(views, a):
                 assert v is not None and torch.equal(v, shards[s][off : off + n])
@@ -236,9 +242,7 @@ def test_dim0_messages_simulated(shapes, world_size, align, dtype, seed) -> None
                 chunks[d][i][at : at + k] = shards[s][off : off + n]
     for d in range(world_size):
         for i, p in enumerate(pieces):
-            ref = torch.chunk(p, world_size, dim=0)
-            want = ref[d].reshape(-1) if d < len(ref) else p.new_empty(0)
-            assert torch.equal(chunks[d][i], want), (i, d)
+            assert torch.equal(chunks[d][i], _chunk_ref(p, world_size, d)), (i, d)
     # load: chunks -> shard segments, the padding zeroed afterwards
     for d, lay in enumerate(layouts):
         got = torch.full((lay.shard_numel,), 7, dtype=dtype)
