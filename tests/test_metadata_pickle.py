@@ -612,3 +612,111 @@ def test_numpy_bytes_items() -> None:
     bad = pickle.dumps(np.arange(4, dtype=np.int32), protocol=2).replace(b"i4", b"i8")
     with pytest.raises(PickleFormatError, match="bytes of data"):
         loads_object(P._zipfmt.bytes_record(bad))
+
+
+# --------------------------------------------------------------------------
+# The fast path: _core.pickle_scan, then CPython's C unpickler
+# --------------------------------------------------------------------------
+
+
+def _outcome(data: bytes, allowed: dict, fast: bool) -> tuple:
+    """What the restricted unpickler makes of data, comparable across the
+    two engines: the built graph pickled (equal values and equal sharing
+    give equal bytes), or the error's type and message."""
+    try:
+        built = P._build("x", P._unpickle(data, allowed, "x", fast=fast))
+    except (UnsafePickleError, PickleFormatError) as e:
+        return ("error", type(e).__name__, str(e))
+    return ("value", pickle.dumps(built, protocol=5))
+
+
+@pytest.mark.parametrize("protocol", range(6))
+def test_scan_passes_what_pickle_writes(protocol: int) -> None:
+    values = [BYTES_VALUES, None, [1, [2, [3]]], {"k": (1.5, "é", b"\x00" * 300)},
+              list(range(3000)), {"s": "x" * 70000}]
+    for v in values:
+        data = pickle.dumps(v, protocol=protocol)
+        proto, end = shardstate._core.pickle_scan(data)
+        assert (proto, end) == (protocol if protocol >= 2 else 0, len(data))
+        assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
+        assert _outcome(data, P._PLAIN_GLOBALS, True) == _outcome(data, P._PLAIN_GLOBALS, False)
+        assert _outcome(data, P._PLAIN_GLOBALS, True)[0] == "value"
+
+
+def test_scan_refuses_what_the_c_unpickler_would_mishandle() -> None:
+    refused = [
+        (b"\x80\x02\x82\x01.", ValueError, "EXT1"),
+        (b"\x80\x02\x83\x01\x00.", ValueError, "EXT2"),
+        (b"\x80\x02\x84\x01\x00\x00\x00.", ValueError, "EXT4"),
+        (b"\x80\x02" + _s("x") + b"Q.", ValueError, "BINPERSID"),
+        (b"Pid\n.", ValueError, "PERSID"),
+        (b"\x80\x05\x97.", ValueError, "NEXT_BUFFER"),
+        (b"N\x80\x02.", ValueError, "PROTO"),
+        (b"\x80\x04N" + b"r\xff\xff\xff\xff" + b".", shardstate.ShardstateError, "memo index"),
+        (b"\x80\x02N" + b"p" + b"9" * 5000 + b"\n.", shardstate.ShardstateError, "memo index"),
+        (b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + b"N.", shardstate.ShardstateError,
+         "FRAME"),
+        (b"\x80\x02X\xff\xff\xff\x7fabc.", shardstate.ShardstateError, "BINUNICODE"),
+        (b"\x80\x02N", shardstate.ShardstateError, "no STOP"),
+    ]
+    for data, exc, name in refused:
+        with pytest.raises(exc, match=name):
+            shardstate._core.pickle_scan(data)
+    with pytest.raises(TypeError):
+        shardstate._core.pickle_scan("not bytes")
+
+
+def test_c_unpickler_refuses_the_malicious_pickles(tmp_path: Path) -> None:
+    """Every payload the scan lets through is refused by the C unpickler
+    itself (not only by the fallback), and runs nothing."""
+    canary = tmp_path / "canary"
+    through = 0
+    for data, name in _evil(canary):
+        try:
+            proto, _ = shardstate._core.pickle_scan(data)
+        except (ValueError, shardstate.ShardstateError):
+            continue
+        through += 1
+        with pytest.raises(UnsafePickleError):
+            P._build("x", P._CRestrictedUnpickler(data, P._METADATA_GLOBALS, proto).load())
+        assert not canary.exists(), name
+    assert through >= 20
+
+
+def test_fast_path_serves_real_checkpoints(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = (saved / ".metadata").read_bytes()
+    want = norm(loads_metadata(raw))
+    obj = dumps_object(BYTES_VALUES)
+
+    def reference_ran(self: Any) -> Any:
+        raise AssertionError("the pure-Python unpickler ran")
+
+    monkeypatch.setattr(P._RestrictedUnpickler, "load", reference_ran)
+    assert norm(loads_metadata(raw)) == want
+    assert loads_object(obj) == BYTES_VALUES
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1,
+                max_size=6),
+       st.integers(0, len(_VALID)))
+def test_fuzz_fast_path_equals_reference_metadata(edits: list[tuple[int, int]], cut: int) -> None:
+    data = bytearray(_VALID)
+    for pos, byte in edits:
+        data[pos] = byte
+    for blob in (bytes(data), bytes(data[:cut]) + bytes(data[cut + 1:])):
+        assert _outcome(blob, P._METADATA_GLOBALS, True) == \
+            _outcome(blob, P._METADATA_GLOBALS, False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([0, 2, 4, 5]),
+       st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, 255)), min_size=1, max_size=4))
+def test_fuzz_fast_path_equals_reference_objects(protocol: int,
+                                                 edits: list[tuple[int, int]]) -> None:
+    data = bytearray(pickle.dumps(BYTES_VALUES | {"nested": [[1], {"a": (2,)}]},
+                                  protocol=protocol))
+    for pos, byte in edits:
+        data[pos % len(data)] = byte
+    assert _outcome(bytes(data), P._PLAIN_GLOBALS, True) == \
+        _outcome(bytes(data), P._PLAIN_GLOBALS, False)

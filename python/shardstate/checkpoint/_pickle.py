@@ -13,10 +13,15 @@ DCP bytes item (byte-identical for objects without tensors) and
 ``loads_object`` reads one with a narrower allowlist: plain Python values,
 torch sizes and dtypes, NumPy arrays and scalars of numeric dtypes.
 
-Reading. ``loads_metadata`` and ``loads_object`` run CPython's pure-Python
+Reading. ``loads_metadata`` and ``loads_object`` run an unpickler with
+``find_class`` limited to an allowlist. The reference is CPython's pure-Python
 unpickler (its memo is a dict, so a forged memo index cannot make it allocate
-gigabytes, as the C unpickler's array memo can) with ``find_class`` limited to
-an allowlist. Every allowlisted global is replaced by an inert stand-in: the
+gigabytes, as the C unpickler's array memo can). A stream that the C scan
+``_core.pickle_scan`` passes (no copyreg extensions, persistent ids or
+out-of-band buffers; memo indices bounded by the opcodes before them; every
+length inside the data) runs on CPython's C unpickler with the same
+allowlist instead, ten times faster; whatever it fails on goes to the
+reference, whose outcome is the answer. Every allowlisted global is replaced by an inert stand-in: the
 metadata classes by proxy types that only record their state, callables by
 objects that check their arguments, torch objects by names. Nothing outside
 the allowlist is imported or called, and no shared object can be mutated by
@@ -45,7 +50,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from .. import ShardstateError
+from .. import ShardstateError, _core
 from . import _zipfmt
 from .metadata import (
     BytesStorageMetadata,
@@ -925,6 +930,25 @@ def _refuse_ext(self: Any) -> None:
     raise UnsafePickleError("pickle uses a copyreg extension code (EXT1/EXT2/EXT4)")
 
 
+def _find_class(allowed: dict[tuple[str, str], Any], proto: int, module: str, name: str) -> Any:
+    """The stand-in for an allowlisted global (names of protocols < 3
+    mapped as pickle maps them); UnsafePickleError for any other."""
+    key = (module, name)
+    if proto < 3:
+        if key in _compat_pickle.NAME_MAPPING:
+            key = _compat_pickle.NAME_MAPPING[key]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            key = (_compat_pickle.IMPORT_MAPPING[module], name)
+    obj = allowed.get(key) if type(module) is str and type(name) is str else None
+    if obj is None:
+        raise UnsafePickleError(
+            f"pickle references {module}.{name}, which is not on the allowlist of "
+            "checkpoint metadata classes, torch dtypes/sizes and plain Python values; "
+            "pass allow_unsafe=True only for trusted checkpoints"
+        )
+    return obj
+
+
 class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
@@ -937,20 +961,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
-        key = (module, name)
-        if self.proto < 3:
-            if key in _compat_pickle.NAME_MAPPING:
-                key = _compat_pickle.NAME_MAPPING[key]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                key = (_compat_pickle.IMPORT_MAPPING[module], name)
-        obj = self._allowed.get(key) if type(module) is str and type(name) is str else None
-        if obj is None:
-            raise UnsafePickleError(
-                f"pickle references {module}.{name}, which is not on the allowlist of "
-                "checkpoint metadata classes, torch dtypes/sizes and plain Python values; "
-                "pass allow_unsafe=True only for trusted checkpoints"
-            )
-        return obj
+        return _find_class(self._allowed, self.proto, module, name)
 
     def _skip_frame(self) -> None:
         # A FRAME only announces how many bytes follow; they are read inline.
@@ -985,12 +996,47 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
 
 
-def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str) -> Any:
+class _CRestrictedUnpickler(pickle.Unpickler):
+    """CPython's C unpickler with the same allowlist, for streams that
+    ``_core.pickle_scan`` has passed: the scan refuses what this unpickler
+    would handle differently from ``_RestrictedUnpickler`` (copyreg
+    extensions, persistent ids, out-of-band buffers) and bounds every memo
+    index by the opcodes before it, so its array memo stays linear in the
+    data. About ten times faster on a large ``.metadata``."""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], proto: int) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._proto = proto  # the scan admits PROTO only as the first opcode
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _find_class(self._allowed, self._proto, module, name)
+
+    def persistent_load(self, pid: Any) -> Any:  # refused by the scan already
+        raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
+
+
+def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str,
+              fast: bool = True) -> Any:
+    """The pickle's object graph of inert stand-ins. A stream the C scan
+    passes runs on the C unpickler; any other stream, and any stream the C
+    unpickler fails on, on the pure-Python reference, whose outcome (value
+    or error) is the answer. ``fast=False``: the reference only (tests)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"{what} must be bytes, got {type(data).__name__}")
     data = bytes(data)
     if not data:
         raise PickleFormatError(f"{what} is empty")
+    if fast:
+        try:
+            proto, _end = _core.pickle_scan(data)
+        except (ValueError, ShardstateError):
+            pass  # outside what the C unpickler may run: the reference decides
+        else:
+            try:
+                return _CRestrictedUnpickler(data, allowed, proto).load()
+            except Exception:  # noqa: BLE001 - the reference names the fault
+                pass
     try:
         return _RestrictedUnpickler(data, allowed).load()
     except (UnsafePickleError, PickleFormatError):
@@ -1100,6 +1146,9 @@ class _Builder:
         return out
 
     def _value(self, v: Any, t: type, d: int) -> Any:
+        build = _BUILDERS.get(t)
+        if build is not None:  # a metadata class: the bulk of a .metadata
+            return build(self, v)
         if t is tuple:
             items = tuple(self.value(x, d) for x in v)
             return v if all(a is b for a, b in zip(items, v)) else items
@@ -1137,8 +1186,6 @@ class _Builder:
             if v.cls == "PosixPath" and sys.platform == "win32":
                 cls = pathlib.PurePosixPath
             return cls(*v.parts)
-        if isinstance(v, _ObjProxy):
-            return self.obj(v)
         if t is _NdVal:
             return self.ndarray(v)
         if t is _NpScalar:
@@ -1189,28 +1236,27 @@ class _Builder:
         """The proxy's BUILD dict, checked: known keys only; fields marked
         True are required."""
         st = p.state
-        name = p.qualname.rsplit(".", 1)[1]
-        if st is None:
+        if type(st) is dict:
+            st = dict(st)  # the builders replace values; never touch the unpickled dict
+        elif st is None:
             st = {}
-        if (type(st) is tuple and len(st) == 2
+        elif (type(st) is tuple and len(st) == 2
                 and type(st[0]) in (dict, type(None)) and type(st[1]) in (dict, type(None))):
             st = {**(st[0] or {}), **(st[1] or {})}  # (dict state, slot state)
-        if type(st) is not dict:
-            raise self.fail(f"{name} state is {type(st).__name__}, expected a dict")
-        st = dict(st)  # the builders replace values; never touch the unpickled dict
+        else:
+            raise self.fail(f"{_short(p)} state is {type(st).__name__}, expected a dict")
         if not st.keys() <= fields.known:  # unknown fields (newer torch?) are dropped
             st = {k: v for k, v in st.items() if type(k) is str and k in fields.known}
         for k in fields.required:
             if k not in st:
-                raise self.fail(f"{name} has no {k!r}")
+                raise self.fail(f"{_short(p)} has no {k!r}")
         return st
 
     def obj(self, p: _ObjProxy) -> Any:
-        if type(p) is not _PROXIES.get(p.qualname.rsplit(".", 1)[1]):
+        build = _BUILDERS.get(type(p))
+        if build is None:
             raise self.fail(f"unexpected {type(p).__name__}")
-        name = p.qualname.rsplit(".", 1)[1]
-        fn = getattr(self, f"_build_{name.lstrip('_')}")
-        return fn(p)
+        return build(self, p)
 
     @staticmethod
     def new(cls: type, state: dict) -> Any:
@@ -1337,6 +1383,16 @@ class _Builder:
             if type(td) not in (list, tuple) or not all(type(x) is str for x in td):
                 raise self.fail("_StorageInfo.transform_descriptors is not a list of str")
         return self.new(_StorageInfo, st)
+
+
+def _short(p: _ObjProxy) -> str:
+    return p.qualname.rsplit(".", 1)[1]
+
+
+# proxy type -> its _Builder method
+_BUILDERS: dict[type, Callable[[_Builder, Any], Any]] = {
+    t: getattr(_Builder, f"_build_{name.lstrip('_')}") for name, t in _PROXIES.items()
+}
 
 
 def _build(what: str, obj: Any) -> Any:
