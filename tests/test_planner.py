@@ -791,6 +791,28 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
         except Exception as e:  # noqa: BLE001 (compared with torch's below)
             errors.append((type(e), str(e)))
     assert len(errors) == 2 and errors[0] == errors[1], errors
+    # The plans above ran on remembered DTensor boxes (_tensors._BOXES), and
+    # each remembered box is torch's helper's answer, for every case here.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from shardstate.checkpoint import _tensors
+
+    cached = 0
+    for n in range(1, world + 1):
+        for i, (k, pl, shape) in enumerate(_dtensor_cases(world)):
+            if k != n:
+                continue
+            t = dt(n, pl, shape)
+            boxes = _tensors._BOXES.get(t.device_mesh, {})
+            cached += len(boxes) > 0
+            for _ in range(2):  # the first call may fill the cache, the second reads it
+                offsets, sizes = _tensors._dtensor_box(t)
+                want_sizes, want_offsets = compute_local_shape_and_global_offset(
+                    t.shape, t.device_mesh, t.placements)
+                assert (tuple(offsets), tuple(sizes)) == (tuple(want_offsets),
+                                                          tuple(want_sizes)), (n, pl, shape)
+                assert type(offsets) is torch.Size and type(sizes) is torch.Size
+    assert cached > 0
     return counts
 
 
