@@ -711,3 +711,25 @@ def test_fuzz_fast_path_equals_reference_objects(protocol: int,
         data[pos % len(data)] = byte
     assert _outcome(bytes(data), P._PLAIN_GLOBALS, True) == \
         _outcome(bytes(data), P._PLAIN_GLOBALS, False)
+
+
+def test_gc_paused_restores_the_collector(saved: Path) -> None:
+    import gc
+
+    raw = (saved / ".metadata").read_bytes()
+    assert gc.isenabled()
+    with P.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(PickleFormatError):  # restored on the error path too
+        loads_metadata(raw[: len(raw) // 2])
+    assert gc.isenabled()
+    loads_metadata(raw)
+    dumps_metadata(loads_metadata(raw))
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that turned it off keeps it off
+        loads_metadata(raw)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

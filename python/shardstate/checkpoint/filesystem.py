@@ -86,6 +86,7 @@ from ._pickle import (
     PickleFormatError,
     UnsafePickleError,
     dumps_metadata,
+    gc_paused,
     loads_metadata,
     loads_object,
 )
@@ -850,7 +851,10 @@ class FileSystemReader(StorageReader):
         # accept either, so hand out torch's whenever torch's DCP is loaded
         # (only then can a torch planner be in use; importing it costs more
         # than a whole small load).
-        return to_torch_metadata(md) if "torch.distributed.checkpoint" in sys.modules else md
+        if "torch.distributed.checkpoint" not in sys.modules:
+            return md
+        with gc_paused():
+            return to_torch_metadata(md)
 
     def set_up_storage_reader(
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
