@@ -12,6 +12,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -558,8 +559,8 @@ def _outcome(data: bytes, allowed: dict, fast: bool) -> tuple:
     give equal bytes), or the error's type and message."""
     try:
         built = P._build("x", P._unpickle(data, allowed, "x", fast=fast))
-    except (UnsafePickleError, PickleFormatError) as e:
-        return ("error", type(e).__name__, str(e))
+    except (UnsafePickleError, PickleFormatError) as e:  # reprs' addresses differ per run
+        return ("error", type(e).__name__, re.sub(r" at 0x[0-9a-f]+", "", str(e)))
     return ("value", pickle.dumps(built, protocol=5))
 
 
@@ -640,9 +641,10 @@ def test_scan_passes_what_pickle_writes(protocol: int) -> None:
               list(range(3000)), {"s": "x" * 70000}]
     for v in values:
         data = pickle.dumps(v, protocol=protocol)
-        proto, end = shardstate._core.pickle_scan(data)
-        assert (proto, end) == (protocol if protocol >= 2 else 0, len(data))
-        assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
+        if protocol >= 2:  # 0 and 1 may hold text numbers, left to the reference
+            proto, end = shardstate._core.pickle_scan(data)
+            assert (proto, end) == (protocol, len(data))
+            assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
         assert _outcome(data, P._PLAIN_GLOBALS, True) == _outcome(data, P._PLAIN_GLOBALS, False)
         assert _outcome(data, P._PLAIN_GLOBALS, True)[0] == "value"
 
@@ -662,6 +664,11 @@ def test_scan_refuses_what_the_c_unpickler_would_mishandle() -> None:
          "FRAME"),
         (b"\x80\x02X\xff\xff\xff\x7fabc.", shardstate.ShardstateError, "BINUNICODE"),
         (b"\x80\x02N", shardstate.ShardstateError, "no STOP"),
+        # the C unpickler reads text numbers up to a NUL; the reference refuses them
+        (b"F0\x00999\n.", ValueError, "FLOAT"),
+        (b"I7\x00x\n.", ValueError, "INT"),
+        (b"L010\n.", ValueError, "LONG"),
+        (b"Np0\ng0\x00\n.", ValueError, "GET"),
     ]
     for data, exc, name in refused:
         with pytest.raises(exc, match=name):

@@ -36,11 +36,8 @@ static const op_form forms[256] = {
     OP('0', A_NONE, 0, "POP"),
     OP('1', A_NONE, 0, "POP_MARK"),
     OP('2', A_NONE, 0, "DUP"),
-    OP('F', A_LINE, 0, "FLOAT"),
-    OP('I', A_LINE, 0, "INT"),
     OP('J', A_FIX, 4, "BININT"),
     OP('K', A_FIX, 1, "BININT1"),
-    OP('L', A_LINE, 0, "LONG"),
     OP('M', A_FIX, 2, "BININT2"),
     OP('N', A_NONE, 0, "NONE"),
     OP('R', A_NONE, 0, "REDUCE"),
@@ -55,7 +52,6 @@ static const op_form forms[256] = {
     OP('d', A_NONE, 0, "DICT"),
     OP('}', A_NONE, 0, "EMPTY_DICT"),
     OP('e', A_NONE, 0, "APPENDS"),
-    OP('g', A_LINE, 0, "GET"),
     OP('h', A_FIX, 1, "BINGET"),
     OP('i', A_LINE2, 0, "INST"),
     OP('j', A_FIX, 4, "LONG_BINGET"),
@@ -93,6 +89,13 @@ static const op_form forms[256] = {
     OP(0x95, A_FRAME, 8, "FRAME"),
     OP(0x96, A_LEN, 8, "BYTEARRAY8"),
     /* refused, by name for the detail: */
+    /* text numbers: the C unpickler parses them as NUL-terminated C
+     * strings (LONG in base 10), the reference with int()/float() of the
+     * whole line (base 0): "I0\x00x" is 0 to one, an error to the other */
+    OP('F', A_BAD, 0, "FLOAT"),
+    OP('I', A_BAD, 0, "INT"),
+    OP('L', A_BAD, 0, "LONG"),
+    OP('g', A_BAD, 0, "GET"),
     OP('P', A_BAD, 0, "PERSID"),
     OP('Q', A_BAD, 0, "BINPERSID"),
     OP(0x82, A_BAD, 0, "EXT1"),

@@ -9,7 +9,9 @@
  *  - every opcode is one of protocols 0-5 outside this refused set:
  *    PERSID, BINPERSID (persistent ids), EXT1, EXT2, EXT4 (the copyreg
  *    extension cache can hand out objects without find_class), NEXT_BUFFER,
- *    READONLY_BUFFER (out-of-band buffers);
+ *    READONLY_BUFFER (out-of-band buffers), and the text numbers INT, LONG,
+ *    FLOAT, GET (protocol 0 only), which the two unpicklers parse
+ *    differently (C strings up to a NUL, LONG in base 10);
  *  - every argument lies inside the data: lengths, frames, text lines;
  *  - PROTO, if present, is the first opcode (so one protocol governs every
  *    GLOBAL's name mapping), with a version of at most 5;

@@ -31,8 +31,8 @@ static void test_passes_protocol_streams(void)
     CHECK_EQ_INT(scan(S(p4), &info), 0);
     CHECK_EQ_INT(info.proto, 4);
     CHECK_EQ_INT(info.end, sizeof(p4) - 1);
-    /* protocol 0: text opcodes, PUT/GET lines, no PROTO */
-    static const char p0[] = "(dp0\nVa\np1\n(lp2\nI1\naF2.0\naVx\np3\nasg1\n0.";
+    /* protocol 0: text opcodes, PUT lines, no PROTO */
+    static const char p0[] = "(dp0\nVa\np1\n(lp2\nS'b'\naVx\np3\nas" "cos\nsep\n0.";
     CHECK_EQ_INT(scan(S(p0), &info), 0);
     CHECK_EQ_INT(info.proto, 0);
     /* protocol 2 GLOBAL + REDUCE, bytes after STOP are not read */
@@ -56,7 +56,9 @@ static void test_refuses_opcodes(void)
         R("\x80\x02\x82\x01."), R("\x80\x02\x83\x01\x00."),
         R("\x80\x02\x84\x01\x00\x00\x00."), R("Pid\n."),
         R("\x80\x02X\x01\x00\x00\x00" "xQ."), R("\x80\x05\x97."),
-        R("\x80\x05N\x98."), R("\x80\x02\xff."), R("\x80\x02\x99.")};
+        R("\x80\x05N\x98."), R("\x80\x02\xff."), R("\x80\x02\x99."),
+        /* text numbers, which the C unpickler reads up to a NUL */
+        R("I0\x00" "9\n."), R("L010\n."), R("F1.5\n."), R("Np0\ng0\n.")};
 #undef R
     for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
         ss_errinfo_clear(&e);
