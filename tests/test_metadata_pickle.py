@@ -510,6 +510,25 @@ def test_forged_memo_index_does_not_allocate() -> None:
     assert time.perf_counter() - t < 1
 
 
+def test_forged_lengths_do_not_allocate() -> None:
+    # pickle.py's BYTEARRAY8 allocates its announced length before reading;
+    # the reference path (which gets whatever the C scan refuses) checks it.
+    t = time.perf_counter()
+    for n in (1 << 40, (1 << 63) - 1, 1 << 33):
+        data = b"\x80\x05\x96" + n.to_bytes(8, "little") + b"."
+        with pytest.raises(shardstate.ShardstateError):
+            shardstate._core.pickle_scan(data)
+        for fast in (True, False):
+            with pytest.raises(PickleFormatError, match="BYTEARRAY8"):
+                P._unpickle(data, P._PLAIN_GLOBALS, "x", fast=fast)
+        with pytest.raises(PickleFormatError):
+            loads_object(P._zipfmt.bytes_record(data))
+    # a well-formed one still reads
+    ok = pickle.dumps(bytearray(b"abc"), protocol=5)
+    assert P._unpickle(ok, P._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
+    assert time.perf_counter() - t < 1
+
+
 def test_structure_is_validated() -> None:
     def md_with(state: bytes) -> bytes:
         return b"\x80\x02" + _g(P._MD_MOD, "Metadata") + b")\x81" + state + b"b."

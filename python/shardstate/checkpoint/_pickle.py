@@ -991,6 +991,20 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch[pickle.FRAME[0]] = _skip_frame
 
+    def _load_bytearray8(self) -> None:
+        # pickle.py allocates the announced length before reading: a forged
+        # one would make it allocate (and zero) up to sys.maxsize bytes.
+        (n,) = struct.unpack("<Q", self.read(8))
+        if n > len(self._data):
+            raise PickleFormatError(
+                f"BYTEARRAY8 of {n} bytes in a {len(self._data)}-byte pickle")
+        b = self.read(n)
+        if len(b) != n:
+            raise PickleFormatError("pickle data was truncated")
+        self.append(bytearray(b))
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+
     def load(self) -> Any:
         """pickle._Unpickler.load, reading the in-memory bytes directly (no
         per-read frame bookkeeping: frames are skipped, see _skip_frame)."""
