@@ -950,6 +950,10 @@ def _refuse_ext(self: Any) -> None:
     raise UnsafePickleError("pickle uses a copyreg extension code (EXT1/EXT2/EXT4)")
 
 
+def _refuse_persistent(self: Any, pid: Any) -> Any:
+    raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
+
+
 def _find_class(allowed: dict[tuple[str, str], Any], proto: int, module: str, name: str) -> Any:
     """The stand-in for an allowlisted global (names of protocols < 3
     mapped as pickle maps them); UnsafePickleError for any other."""
@@ -1026,8 +1030,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
+    persistent_load = _refuse_persistent
 
 
 class _CRestrictedUnpickler(pickle.Unpickler):
@@ -1046,8 +1049,7 @@ class _CRestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         return _find_class(self._allowed, self._proto, module, name)
 
-    def persistent_load(self, pid: Any) -> Any:  # refused by the scan already
-        raise UnsafePickleError("pickle uses a persistent id (BINPERSID), which is not allowed")
+    persistent_load = _refuse_persistent  # refused by the scan already
 
 
 def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str,
@@ -1285,12 +1287,6 @@ class _Builder:
             if k not in st:
                 raise self.fail(f"{_short(p)} has no {k!r}")
         return st
-
-    def obj(self, p: _ObjProxy) -> Any:
-        build = _BUILDERS.get(type(p))
-        if build is None:
-            raise self.fail(f"unexpected {type(p).__name__}")
-        return build(self, p)
 
     @staticmethod
     def new(cls: type, state: dict) -> Any:
