@@ -7,7 +7,11 @@ shard). For each size, one Metadata of 2-D tensors split in 64 row chunks
 (its storage_data included) is written and read, side by side in one run:
 
   write   torch DCP: pickle.dumps of torch's classes; shardstate:
-          _pickle.dumps_metadata (torch-free, the same bytes)
+          _pickle.dumps_metadata (the same bytes; with torch loaded, as
+          here, the C pickler on stand-in classes)
+  write, torch-free
+          the same against _pickle._dumps_reference, the opcode writer that
+          serves when torch is not loaded
   read    torch DCP: pickle.loads (unrestricted: it runs any code the file
           names); shardstate: _pickle.loads_metadata (allowlist, checked)
 
@@ -62,11 +66,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[19_200, 192_000])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    print(f"{'chunks':>8} {'MB':>6} {'op':<6}{'torch s':>10}{'shardstate s':>14}{'ratio':>8}")
+    print(f"{'chunks':>8} {'MB':>6} {'op':<18}{'torch s':>10}{'shardstate s':>14}{'ratio':>8}")
     for n in args.chunks:
         ours = _metadata(n)
         theirs = smd.to_torch_metadata(ours)
         data = _pickle.dumps_metadata(ours)
+        if _pickle._dumps_fast(ours) != data or _pickle._dumps_reference(ours) != data:
+            raise AssertionError("the two writers disagree")
         if pickle.loads(data) != theirs:
             raise AssertionError("torch does not read back what shardstate wrote")
         back = _pickle.loads_metadata(data)
@@ -75,11 +81,13 @@ def main() -> int:
         rows = [
             ("write", _median(lambda: pickle.dumps(theirs), args.repeat),
              _median(lambda: _pickle.dumps_metadata(ours), args.repeat)),
+            ("write, torch-free", _median(lambda: pickle.dumps(theirs), args.repeat),
+             _median(lambda: _pickle._dumps_reference(ours), args.repeat)),
             ("read", _median(lambda: pickle.loads(data), args.repeat),
              _median(lambda: _pickle.loads_metadata(data), args.repeat)),
         ]
         for op, t, s in rows:
-            print(f"{n:>8} {len(data) / 1e6:>6.1f} {op:<6}{t:>10.3f}{s:>14.3f}{t / s:>7.2f}x")
+            print(f"{n:>8} {len(data) / 1e6:>6.1f} {op:<18}{t:>10.3f}{s:>14.3f}{t / s:>7.2f}x")
     return 0
 
 

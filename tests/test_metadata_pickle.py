@@ -250,6 +250,185 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
 
 
 # --------------------------------------------------------------------------
+# The writer's fast path: the C pickler on stand-in classes
+# --------------------------------------------------------------------------
+
+
+def test_stand_in_modules_have_torch_lengths() -> None:
+    from shardstate.checkpoint import _torch_filesystem, _torch_metadata
+
+    assert len(_torch_metadata.__name__) == len(P._MD_MOD)
+    assert len(_torch_filesystem.__name__) == len(P._FS_MOD)
+    for name in P._OURS:
+        if name != "_StorageInfo":
+            assert getattr(_torch_metadata, name).__qualname__ == getattr(tmd, name).__qualname__
+    assert [e.value for e in _torch_metadata._MEM_FORMAT_ENCODING] == [
+        e.value for e in tmd._MEM_FORMAT_ENCODING]
+
+
+@pytest.mark.parametrize("with_path", [True, False])
+def test_fast_writer_gives_pickle_dumps(with_path: bool) -> None:
+    tm = torch_metadata(with_path)
+    ref = pickle.dumps(tm)
+    ours = loads_metadata(ref)
+    assert P._dumps_fast(tm) == ref
+    assert P._dumps_fast(ours) == ref
+    assert P._dumps_reference(ours) == ref
+
+
+def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstate.checkpoint as ss
+
+    def refuse(md: Any) -> bytes:
+        raise AssertionError("the reference writer ran")
+
+    monkeypatch.setattr(P, "_dumps_reference", refuse)
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7, "cfg": {"lr": 0.5, "tags": ["a"]}}
+    ss.save(sd, checkpoint_id=tmp_path)
+    out = {"w": torch.zeros(3, 4), "step": 0, "cfg": {"lr": 0.0, "tags": []}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(out, checkpoint_id=str(tmp_path))  # torch reads what the fast path wrote
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 7 and out["cfg"] == sd["cfg"]
+
+
+def _declined(md: Any) -> bytes:
+    """md's bytes, checking the fast path declines and the reference answers."""
+    assert P._dumps_fast(md) is None
+    data = dumps_metadata(md)
+    assert data == P._dumps_reference(md)
+    return data
+
+
+def test_fast_writer_declines_what_it_cannot_promise() -> None:
+    tm = torch_metadata()
+    # stand-ins for torch objects: the reference writes them as torch's
+    assert _declined(standin_metadata(tm)) == pickle.dumps(tm)
+    ours = loads_metadata(pickle.dumps(tm))
+    ours.state_dict_metadata["layer.w"].chunks[0].offsets = (0, 0)
+    _declined(ours)
+    # a user string spelling the stand-in module, in a key or planner data
+    for where in ("fqn", "planner"):
+        tm = torch_metadata()
+        name = P._ph_md.__name__
+        if where == "fqn":
+            tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
+        else:
+            tm.planner_data["x"] = (name,)
+        data = _declined(loads_metadata(pickle.dumps(tm)))
+        assert data == pickle.dumps(tm)
+        assert pickle.loads(data) == tm
+    # torch objects where plain values were expected: the reference writes them
+    tm = torch_metadata()
+    tm.planner_data["dt"] = [torch.float16, torch.int8]
+    ours = loads_metadata(pickle.dumps(tm))
+    ours.planner_data["dt"][1] = TorchName("torch.int8")
+    assert _declined(ours) == pickle.dumps(tm)
+    # values outside the allowlist: the reference gives the error
+    ours = loads_metadata(pickle.dumps(torch_metadata()))
+    for odd in (collections.OrderedDict(a=1), object()):
+        ours.planner_data["odd"] = odd
+        assert P._dumps_fast(ours) is None
+        with pytest.raises(TypeError, match=type(odd).__qualname__):
+            dumps_metadata(ours)
+    # planner data: a cycle declines; a DAG of 2**40 paths is checked once
+    # per container (walking every path would not end) and served
+    tm = torch_metadata()
+    loop: list[Any] = [1]
+    loop.append(loop)
+    tm.planner_data["loop"] = loop
+    assert _declined(tm) == pickle.dumps(tm)
+    tm = torch_metadata()
+    dag: Any = ["leaf"]
+    for _ in range(40):
+        dag = [dag, dag]
+    tm.planner_data["dag"] = dag
+    assert P._dumps_fast(tm) == pickle.dumps(tm) == P._dumps_reference(tm)
+    # an empty chunk list also passed on in planner data: sharing the fast
+    # path cannot rebuild, so it declines
+    tm = torch_metadata()
+    shared: list[Any] = []
+    tm.state_dict_metadata["z"] = tmd.TensorStorageMetadata(
+        tmd.TensorProperties(torch.float32), torch.Size([0]), shared)
+    tm.planner_data["z"] = shared
+    assert _declined(tm) == pickle.dumps(tm)
+
+
+def _twin_metadata(ns: str, plan: dict[str, Any], objs: dict[str, Any]) -> Any:
+    """The same metadata graph from torch's classes (ns "torch") or ours
+    ("ours"), with the same sharing: ``objs`` holds the plain objects (names,
+    sizes, lists) both graphs use."""
+    m: Any = tmd if ns == "torch" else smd
+    info_cls: Any = TStorageInfo if ns == "torch" else smd._StorageInfo
+    props = [m.TensorProperties(dt, torch.strided, rg, mf) for dt, rg, mf in plan["props"]]
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    infos = [info_cls(*a) for a in plan["infos"]]
+    shared_chunks = None
+    for t, (fqn, n_chunks, p_i, share_size, share_list) in enumerate(plan["tensors"]):
+        size = objs["sizes"][t]
+        if share_list and shared_chunks is not None:
+            chunks = shared_chunks
+        else:
+            chunks = [m.ChunkStorageMetadata(objs["offsets"][(t, c)],
+                                             size if share_size else objs["csizes"][(t, c)])
+                      for c in range(n_chunks)]
+            shared_chunks = chunks
+        sdm[fqn] = m.TensorStorageMetadata(props[p_i], size, chunks)
+        for c in range(len(chunks)):
+            storage[m.MetadataIndex(fqn, list(objs["offsets"][(t, c)]) if chunks else None, c)] = (
+                infos[(t + c) % len(infos)])
+    for fqn in plan["bytes"]:
+        sdm[fqn] = m.BytesStorageMetadata()
+        storage[m.MetadataIndex(fqn)] = infos[0]
+    meta = m.StorageMeta(objs["cid"], "save-id", None, objs["modules"])
+    return m.Metadata(sdm, objs["planner"], storage, meta, "1.0.0")
+
+
+_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool])
+_memfmt = st.sampled_from([torch.contiguous_format, torch.channels_last, torch.preserve_format])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    props=st.lists(st.tuples(_dtypes, st.booleans(), _memfmt), min_size=1, max_size=3),
+    tensors=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2), st.booleans(),
+                               st.booleans()), min_size=1, max_size=6),
+    infos=st.lists(st.tuples(st.sampled_from(["__0_0.distcp", "__1_0.distcp"]),
+                             st.integers(0, 2 ** 40), st.integers(0, 2 ** 33),
+                             st.sampled_from([None, ["zstd"], []])), min_size=1, max_size=4),
+    n_bytes=st.integers(0, 3),
+    planner=_plain,
+    path=st.booleans(),
+)
+def test_fast_writer_matches_reference_and_torch_fuzz(
+    props: list, tensors: list, infos: list, n_bytes: int, planner: Any, path: bool
+) -> None:
+    plan = {
+        "props": props,
+        "tensors": [(f"t{i}.w", n, p % len(props), ss, sl)
+                    for i, (n, p, ss, sl) in enumerate(tensors)],
+        "infos": infos,
+        "bytes": [f"b{i}" for i in range(n_bytes)],
+    }
+    objs: dict[str, Any] = {
+        "sizes": [torch.Size([n * 2 + 1, 3]) for n, *_ in tensors],
+        "offsets": {(t, c): torch.Size([c * 2, 0]) for t in range(len(tensors))
+                    for c in range(41)},
+        "csizes": {(t, c): torch.Size([2, 3]) for t in range(len(tensors)) for c in range(41)},
+        "cid": pathlib.PosixPath("/ck/pt") if path else "ck",
+        "modules": ["a.b"],
+        "planner": {"p": planner},
+    }
+    theirs = _twin_metadata("torch", plan, objs)
+    ours = _twin_metadata("ours", plan, objs)
+    ref = pickle.dumps(theirs)
+    assert P._dumps_fast(theirs) == ref
+    assert P._dumps_reference(ours) == ref
+    assert P._dumps_fast(ours) == ref
+
+
+# --------------------------------------------------------------------------
 # Real torch-written checkpoints
 # --------------------------------------------------------------------------
 
