@@ -292,6 +292,33 @@ def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert torch.equal(out["w"], sd["w"]) and out["step"] == 7 and out["cfg"] == sd["cfg"]
 
 
+def _save_without_reference(rank: int, world: int, path: str) -> None:
+    import numpy as np
+    from test_checkpoint_e2e import _dist_sd
+
+    import shardstate.checkpoint as ss
+
+    def refuse(md: Any) -> bytes:
+        raise AssertionError("the reference writer ran")
+
+    P._dumps_reference = refuse  # this process only
+    sd = _dist_sd(world, rank, 1, False)  # DTensors, a ShardedTensor, plain tensors, bytes
+    sd["arr"] = np.arange(6, dtype=np.float16).reshape(2, 3)
+    ss.save(sd, checkpoint_id=path)
+
+
+def test_fast_writer_serves_distributed_saves(tmp_path: Path) -> None:
+    from shardstate.testing import run_distributed
+
+    run_distributed(_save_without_reference, 2, str(tmp_path))
+    raw = (tmp_path / ".metadata").read_bytes()
+    back = pickle.loads(raw)  # torch's own classes, as torch's reader sees them
+    assert type(back) is tmd.Metadata and len(back.state_dict_metadata) > 5
+    assert {type(e) for e in back.state_dict_metadata.values()} == {
+        tmd.TensorStorageMetadata, tmd.BytesStorageMetadata}
+    assert P._dumps_reference(loads_metadata(raw)) == raw
+
+
 def _declined(md: Any) -> bytes:
     """md's bytes, checking the fast path declines and the reference answers."""
     assert P._dumps_fast(md) is None
