@@ -62,6 +62,7 @@ from .. import ShardstateError, _core
 from . import _torch_filesystem as _ph_fs
 from . import _torch_metadata as _ph_md
 from . import _zipfmt
+from . import metadata as _smd
 from .metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -99,6 +100,11 @@ class PickleFormatError(ShardstateError, pickle.UnpicklingError):
 
 _MD_MOD = "torch.distributed.checkpoint.metadata"
 _FS_MOD = "torch.distributed.checkpoint.filesystem"
+
+
+def _torch_module(name: str) -> str:
+    """The torch module of a metadata class: _StorageInfo lives in filesystem."""
+    return _FS_MOD if name == "_StorageInfo" else _MD_MOD
 
 # Canonical dtype names, as torch pickles them (``GLOBAL torch <name>``).
 _DTYPE_NAMES = frozenset(
@@ -625,21 +631,12 @@ _RENAMES = (
 )
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
 _PLAIN_DEPTH = 100
-_OURS: dict[str, type] = {
-    "Metadata": Metadata,
-    "TensorStorageMetadata": TensorStorageMetadata,
-    "BytesStorageMetadata": BytesStorageMetadata,
-    "TensorProperties": TensorProperties,
-    "ChunkStorageMetadata": ChunkStorageMetadata,
-    "MetadataIndex": MetadataIndex,
-    "StorageMeta": StorageMeta,
-    "_StorageInfo": _StorageInfo,
-}
+_OURS: dict[str, type] = {name: getattr(_smd, name) for name in _OBJECT_SAVERS}
 
 
 def _accepted_types(name: str) -> frozenset[type]:
     """Our class of that name, and torch's if torch's module is loaded."""
-    mod = sys.modules.get(_FS_MOD if name == "_StorageInfo" else _MD_MOD)
+    mod = sys.modules.get(_torch_module(name))
     theirs = getattr(mod, name, None)
     return frozenset({_OURS[name], theirs} if isinstance(theirs, type) else {_OURS[name]})
 
@@ -1024,10 +1021,9 @@ def _proxy_type(qualname: str) -> type[_ObjProxy]:
 
 
 _PROXIES = {
-    name: _proxy_type(f"{mod}.{name}")
-    for mod, name in [(_MD_MOD, n) for n in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "BytesStorageMetadata", "MetadataIndex", "StorageMeta")] + [(_FS_MOD, "_StorageInfo")]
+    name: _proxy_type(f"{_torch_module(name)}.{name}")
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                 "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
 }
 
 
@@ -1233,7 +1229,7 @@ _PLAIN_GLOBALS = {
 }
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_PLAIN_GLOBALS,
-    **{(_FS_MOD if n == "_StorageInfo" else _MD_MOD, n): p for n, p in _PROXIES.items()},
+    **{(_torch_module(n), n): p for n, p in _PROXIES.items()},
     (_MD_MOD, "_MEM_FORMAT_ENCODING"): _Call(f"{_MD_MOD}._MEM_FORMAT_ENCODING", _enum_ctor),
     ("torch.serialization", "_get_layout"): _Call("torch.serialization._get_layout", _layout_ctor),
 }
