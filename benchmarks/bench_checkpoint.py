@@ -18,6 +18,11 @@ ranks. For each directory, in one run, torch DCP and shardstate take turns:
 
 and prints a table with one ratio line per target. Each measurement runs in
 fresh processes (gloo) through shardstate.testing.run_distributed.
+
+Every timed region, torch's, shardstate's and the raw lines alike, starts
+from the same page conditions: each rank first writes to and frees 1.5x the
+bytes it is about to move (benchmarks/_pages.py says why; --cold turns it
+off). The table gives the median and the range of the runs.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+from _pages import describe, set_cold, warm  # noqa: E402
 from shardstate.testing import run_distributed  # noqa: E402
 
 
@@ -128,6 +134,8 @@ def _do_save(rank, world, impl, path, total_bytes, use_async):
 
     dcp = _impl(impl)
     sd = _state(total_bytes, seed=1)
+    share = _local_bytes(sd)
+    warm(share)
     dist.barrier()
     t0 = time.perf_counter()
     if use_async:
@@ -135,6 +143,8 @@ def _do_save(rank, world, impl, path, total_bytes, use_async):
         # the steady state (the median of the next ones) are both reported.
         blocked = []
         for i in range(_ASYNC_SAVES):
+            if i:
+                warm(share)
             dist.barrier()
             t0 = time.perf_counter()
             fut = dcp.async_save(sd, checkpoint_id=f"{path}-{i}")
@@ -166,6 +176,7 @@ def _do_load(rank, world, impl, path, total_bytes, check):
     dcp = _impl(impl)
     sd = _state(total_bytes, seed=0, empty=True)
     state_bytes = _local_bytes(sd)
+    warm(state_bytes)
     dist.barrier()
     base = _rss_now()
     _rss_peak_reset()
@@ -197,12 +208,14 @@ def _raw_bandwidth(d: str, nbytes: int, repeat: int) -> tuple[float, float]:
     for _ in range(repeat):
         if os.path.exists(path):
             os.unlink(path)
+        warm(nbytes)
         t0 = time.perf_counter()
         _core._raw_pwrite(path, buf, 32 << 20)
         fd = os.open(path, os.O_RDONLY)  # saves fsync their files (sync_files=True)
         os.fsync(fd)
         os.close(fd)
         w.append(time.perf_counter() - t0)
+        warm(nbytes)
         t0 = time.perf_counter()
         _core._raw_pread(path, buf, 32 << 20)
         r.append(time.perf_counter() - t0)
@@ -226,6 +239,7 @@ def _raw_ranks(rank, world, d, nbytes, repeat):
     for _ in range(repeat):
         if os.path.exists(path):
             os.unlink(path)
+        warm(n)
         dist.barrier()
         t0 = time.perf_counter()
         _core._raw_pwrite(path, buf, 32 << 20)
@@ -234,6 +248,7 @@ def _raw_ranks(rank, world, d, nbytes, repeat):
         os.close(fd)
         dist.barrier()
         w.append(time.perf_counter() - t0)
+        warm(n)
         dist.barrier()
         t0 = time.perf_counter()
         _core._raw_pread(path, buf, 32 << 20)
@@ -249,12 +264,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dirs", nargs="+",
                     default=["/dev/shm", os.path.join(HERE, "..", "build", "bench")])
+    ap.add_argument("--cold", action="store_true",
+                    help="do not warm the pages before each timed region")
     args = ap.parse_args()
+    set_cold(args.cold)
     total = int(args.gib * (1 << 30))
     impls = ["torch", "shardstate"]
     state_bytes = sum(_numel(s) for _, s in _shapes(total)) * 4 * 3
     print(f"state: {len(_shapes(total))} parameters + Adam, {state_bytes / 2**30:.2f} GiB over "
-          f"2 ranks; median of {args.repeat}")
+          f"2 ranks; median of {args.repeat}; pages {describe()}")
 
     for d in args.dirs:
         base = os.path.abspath(os.path.join(d, "shardstate-bench-ckpt"))
@@ -287,13 +305,15 @@ def main() -> int:
             shutil.rmtree(path, ignore_errors=True)
 
         print(f"\n{os.path.abspath(d)}")
-        print(f"  {'':<24}{'torch':>10}{'shardstate':>12}{'speedup':>10}")
+        print(f"  {'':<24}{'torch':>10}{'shardstate':>12}{'speedup':>10}    "
+              "range: torch | shardstate")
         med = {i: {k: statistics.median(v) for k, v in res[i].items()} for i in impls}
         for k in med["torch"]:
             t, s = med["torch"][k], med["shardstate"][k]
             unit = "" if "RSS" in k else " s"
             sp = (t / s) if s > 0 else float("inf")
-            print(f"  {k + unit:<24}{t:>10.3f}{s:>12.3f}{sp:>9.2f}x")
+            spread = " | ".join(f"{min(res[i][k]):.3f}-{max(res[i][k]):.3f}" for i in impls)
+            print(f"  {k + unit:<24}{t:>10.3f}{s:>12.3f}{sp:>9.2f}x    {spread}")
         for k, target in (("save", 3), ("load", 3), ("reshard 2->1", 3), ("reshard 2->3", 3),
                           ("async block", 3)):
             ratio = med["torch"][k] / med["shardstate"][k]

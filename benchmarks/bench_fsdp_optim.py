@@ -1,6 +1,7 @@
 """shardstate.fsdp's optimizer-state functions against torch's FSDP1 static methods, side by side.
 
     python benchmarks/bench_fsdp_optim.py [--params 100e6] [--world 2] [--repeat 3] [--orig]
+                                          [--cold]
 
 A transformer-like stack of FSDP1 units (one unit per block, CPU, gloo) of
 about --params parameters with Adam state after one step, on --world
@@ -16,8 +17,11 @@ Time is the slowest rank's wall time (median of --repeat). Peak memory is
 each rank's peak RSS above its RSS before the call (VmHWM after a reset),
 the largest over ranks; the result itself counts. Buffers are mmapped
 (MALLOC_MMAP_THRESHOLD_) so that memory freed by one call is not reused
-unseen by the next. Prints one ratio line per
-operation against the targets (>= 2x faster, <= 0.6x peak memory).
+unseen by the next. Before each call every rank writes to and frees a
+little more memory than the call's result takes, so that torch's calls and
+ours all start on pages just freed (benchmarks/_pages.py says why; --cold
+turns it off). Prints one ratio line per operation against the targets
+(>= 2x faster, <= 0.6x peak memory).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+from _pages import describe, set_cold, warm  # noqa: E402
 from shardstate.testing import run_distributed  # noqa: E402
 
 OPS = ("full gather", "sharded save", "full load", "sharded load")
@@ -109,13 +114,14 @@ def _set(model, kind: str) -> None:
         )
 
 
-def _measure(fn):
+def _measure(fn, warm_bytes: int):
     import ctypes
 
     import torch.distributed as dist
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+    warm(warm_bytes)
     dist.barrier()
     base = _status("VmRSS:")
     _rss_peak_reset()
@@ -164,6 +170,7 @@ def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: b
     _set(model, "sharded")
     sharded = ssf.optim_state_dict(model, optim)  # the input of "sharded load"
     res: dict = {"params": nparams}
+    share = nparams * 8 // world  # this rank's Adam state (exp_avg, exp_avg_sq)
     for r in range(repeat):
         order = ("torch", "shardstate") if r % 2 == 0 else ("shardstate", "torch")
         for name in order:
@@ -181,7 +188,10 @@ def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: b
                 else:
                     _set(model, "sharded")
                     fn = lambda: impl.optim_state_dict_to_load(model, optim, sharded)  # noqa: E731
-                out, dt, peak, nbytes = _measure(fn)
+                # what the call's result takes: the full state on rank 0 for
+                # the rank-0 gather, this rank's share otherwise
+                full_here = op == "full gather" and rank == 0
+                out, dt, peak, nbytes = _measure(fn, share * world if full_here else share)
                 del out
                 res.setdefault((name, op, "s"), []).append(dt)
                 res.setdefault((name, op, "peak"), []).append(peak)
@@ -196,7 +206,10 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--orig", action="store_true", help="use_orig_params=True")
+    ap.add_argument("--cold", action="store_true",
+                    help="do not warm the pages before each call (benchmarks/_pages.py)")
     args = ap.parse_args()
+    set_cold(args.cold)
     # Every tensor buffer mmapped, so a freed one leaves RSS and the next
     # call's peak is its own (glibc otherwise raises the threshold after a free).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -207,7 +220,7 @@ def main() -> int:
     print(
         f"FSDP1 optimizer state, Adam, {nparams / 1e6:.1f}M params "
         f"({nparams * 8 / 2**20:.0f} MiB of state), world {args.world}, "
-        f"use_orig_params={args.orig}, median of {args.repeat}"
+        f"use_orig_params={args.orig}, median of {args.repeat}, pages {describe()}"
     )
     print(
         f"{'operation':14s} {'torch s':>8s} {'ours s':>8s} {'speedup':>8s}  "
