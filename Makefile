@@ -17,7 +17,7 @@ CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_
 # inside torch aborts the process under the ASan runtime.
 LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
-.PHONY: all venv build test ctest asan-test demo bench clean
+.PHONY: all venv build test ctest tsan-ctest asan-test demo bench clean
 
 all: build
 
@@ -69,12 +69,30 @@ $(FAKE_DIR)/libfake_nccl_%.so: tests/c/fake_nccl.c
 build/ctest/test_cuda build/ctest/test_devcuda build/ctest/test_comm: $(FAKE_LIBS)
 build/ctest/test_cuda build/ctest/test_devcuda build/ctest/test_comm: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
 
-ctest: $(CTESTS)
-	@set -e; p=0; f=0; for t in $(CTESTS); do \
+# Runs each C test program of $(1), sums their "N passed" / "N failed" lines.
+define run_ctests
+	@set -e; p=0; f=0; for t in $(1); do \
 	    out=$$($$t) || st=1; echo "$$out"; \
 	    p=$$((p + $$(echo "$$out" | sed -n 's/.*: \([0-9]*\) passed.*/\1/p'))); \
 	    f=$$((f + $$(echo "$$out" | sed -n 's/.* \([0-9]*\) failed.*/\1/p'))); \
-	done; echo "ctest: $$p passed, $$f failed"; test $$f -eq 0 && test -z "$$st"
+	done; echo "$(2): $$p passed, $$f failed"; test $$f -eq 0 && test -z "$$st"
+endef
+
+ctest: $(CTESTS)
+	$(call run_ctests,$(CTESTS),ctest)
+
+# The same C tests under ThreadSanitizer: the pool, the batch engine and the
+# staging pipeline share memory between threads; a data race fails the run.
+TSAN_CTESTS := $(patsubst build/ctest/%,build/tsan/%,$(CTESTS))
+build/tsan/%: tests/c/%.c $(CORE_SRC) $(wildcard csrc/core/*.h) tests/c/ss_test.h
+	@mkdir -p build/tsan
+	$(CC) $(CFLAGS_C) -fsanitize=thread -o $@ $< $(CORE_SRC) -ldl
+
+build/tsan/test_cuda build/tsan/test_devcuda build/tsan/test_comm: $(FAKE_LIBS)
+build/tsan/test_cuda build/tsan/test_devcuda build/tsan/test_comm: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
+
+tsan-ctest: $(TSAN_CTESTS)
+	$(call run_ctests,$(TSAN_CTESTS),tsan-ctest)
 
 # The pytest suite against an ASan+UBSan build of the extension. The
 # normal build is restored afterwards.

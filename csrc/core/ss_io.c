@@ -101,9 +101,6 @@ static int readv_all(const ss_os *os, int fd, struct iovec *iov, int cnt,
     return 0;
 }
 
-/* Where the gap bytes of coalesced reads go (never read back). */
-static char discard[SS_IO_COALESCE_GAP];
-
 /* ---- batches ------------------------------------------------------------ */
 
 typedef struct {
@@ -185,6 +182,9 @@ static int has_failed(batch *b)
 static void read_run(batch *b, size_t i, uint32_t file, int64_t off)
 {
     struct iovec iov[SS_OS_MAX_IOV];
+    /* Where the gap bytes go (never read back): the task's own, since pool
+     * threads run runs at once and the kernel writes every gap it reads. */
+    char discard[SS_IO_COALESCE_GAP];
     int cnt = 0;
     int64_t at = -1, end = off;
 
