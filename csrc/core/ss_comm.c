@@ -18,36 +18,39 @@ static int cuda_fail(const ss_cuda *cu, ss_errinfo *err, const char *call,
                      ss_cudaError_t e)
 {
     const char *msg = cu->cudaGetErrorString(e);
-    return ss_errinfo_set(err, SS_EDEVICE, call, NULL, -1, "%s: %s (CUDA error %d)",
-                          call, msg ? msg : "unknown error", (int)e);
+    return ss_errinfo_set(err, SS_EDEVICE, call, NULL, -1,
+                          "%s: %s (CUDA error %d)", call,
+                          msg ? msg : "unknown error", (int)e);
 }
 
 static int nccl_fail(const ss_nccl *nc, ss_errinfo *err, const char *call,
                      ss_ncclResult_t r)
 {
     const char *msg = nc->ncclGetErrorString(r);
-    return ss_errinfo_set(err, SS_EDEVICE, call, NULL, -1, "%s: %s (NCCL error %d)",
-                          call, msg ? msg : "unknown error", (int)r);
+    return ss_errinfo_set(err, SS_EDEVICE, call, NULL, -1,
+                          "%s: %s (NCCL error %d)", call,
+                          msg ? msg : "unknown error", (int)r);
 }
 
-#define CU(c, expr, name)                                                     \
-    do {                                                                      \
-        ss_cudaError_t e_ = (expr);                                           \
-        if (e_ != SS_CUDA_SUCCESS) {                                          \
-            rc = cuda_fail((c), err, (name), e_);                             \
-            goto out;                                                         \
-        }                                                                     \
+#define CU(c, expr, name)                                                      \
+    do {                                                                       \
+        ss_cudaError_t e_ = (expr);                                            \
+        if (e_ != SS_CUDA_SUCCESS) {                                           \
+            rc = cuda_fail((c), err, (name), e_);                              \
+            goto out;                                                          \
+        }                                                                      \
     } while (0)
-#define NC(n, expr, name)                                                     \
-    do {                                                                      \
-        ss_ncclResult_t r_ = (expr);                                          \
-        if (r_ != SS_NCCL_SUCCESS) {                                          \
-            rc = nccl_fail((n), err, (name), r_);                             \
-            goto out;                                                         \
-        }                                                                     \
+#define NC(n, expr, name)                                                      \
+    do {                                                                       \
+        ss_ncclResult_t r_ = (expr);                                           \
+        if (r_ != SS_NCCL_SUCCESS) {                                           \
+            rc = nccl_fail((n), err, (name), r_);                              \
+            goto out;                                                          \
+        }                                                                      \
     } while (0)
 
-int ss_comm_unique_id(const ss_nccl *nc, unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
+int ss_comm_unique_id(const ss_nccl *nc,
+                      unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
                       ss_errinfo *err)
 {
     ss_ncclUniqueId u;
@@ -58,9 +61,10 @@ out:
     return rc;
 }
 
-int ss_comm_new(ss_comm **out, const ss_nccl *nc, const ss_cuda *cu,
-                int device, int nranks, int rank,
-                const unsigned char id[SS_NCCL_UNIQUE_ID_BYTES], ss_errinfo *err)
+int ss_comm_new(ss_comm **out, const ss_nccl *nc, const ss_cuda *cu, int device,
+                int nranks, int rank,
+                const unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
+                ss_errinfo *err)
 {
     ss_comm *c = NULL;
     ss_ncclUniqueId u;
@@ -77,11 +81,14 @@ int ss_comm_new(ss_comm **out, const ss_nccl *nc, const ss_cuda *cu,
         return ss_errinfo_set(err, SS_ENOMEM, "comm", NULL, -1, NULL);
     *c = (ss_comm){nc, cu, device, nranks, rank, NULL, NULL, NULL, NULL, 0};
     CU(cu, cu->cudaSetDevice(device), "cudaSetDevice");
-    CU(cu, cu->cudaStreamCreateWithFlags(&c->stream, SS_CUDA_STREAM_NON_BLOCKING),
+    CU(cu,
+       cu->cudaStreamCreateWithFlags(&c->stream, SS_CUDA_STREAM_NON_BLOCKING),
        "cudaStreamCreateWithFlags");
-    CU(cu, cu->cudaEventCreateWithFlags(&c->before, SS_CUDA_EVENT_DISABLE_TIMING),
+    CU(cu,
+       cu->cudaEventCreateWithFlags(&c->before, SS_CUDA_EVENT_DISABLE_TIMING),
        "cudaEventCreateWithFlags");
-    CU(cu, cu->cudaEventCreateWithFlags(&c->after, SS_CUDA_EVENT_DISABLE_TIMING),
+    CU(cu,
+       cu->cudaEventCreateWithFlags(&c->after, SS_CUDA_EVENT_DISABLE_TIMING),
        "cudaEventCreateWithFlags");
     memcpy(&u, id, SS_NCCL_UNIQUE_ID_BYTES);
     NC(nc, nc->ncclCommInitRank(&c->comm, nranks, u, rank), "ncclCommInitRank");
@@ -154,14 +161,18 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
                               c->nranks);
     CU(cu, cu->cudaSetDevice(c->device), "cudaSetDevice");
     CU(cu, cu->cudaEventRecord(c->before, cs), "cudaEventRecord");
-    CU(cu, cu->cudaStreamWaitEvent(c->stream, c->before, 0), "cudaStreamWaitEvent");
+    CU(cu, cu->cudaStreamWaitEvent(c->stream, c->before, 0),
+       "cudaStreamWaitEvent");
     switch (op) {
     case ALL_GATHER:
-        NC(nc, nc->ncclAllGather(send, recv, n, SS_NCCL_UINT8, c->comm, c->stream),
+        NC(nc,
+           nc->ncclAllGather(send, recv, n, SS_NCCL_UINT8, c->comm, c->stream),
            "ncclAllGather");
         break;
     case BROADCAST:
-        NC(nc, nc->ncclBroadcast(send, recv, n, SS_NCCL_UINT8, root, c->comm, c->stream),
+        NC(nc,
+           nc->ncclBroadcast(send, recv, n, SS_NCCL_UINT8, root, c->comm,
+                             c->stream),
            "ncclBroadcast");
         break;
     case SCATTER:
@@ -171,14 +182,19 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
             for (int r = 0; r < c->nranks; r++) {
                 const char *blk = (const char *)send + (size_t)r * n;
                 if (r == root)
-                    CU(cu, cu->cudaMemcpyAsync(recv, blk, n, 3 /* device to device */,
-                                               c->stream), "cudaMemcpyAsync");
+                    CU(cu,
+                       cu->cudaMemcpyAsync(recv, blk, n,
+                                           3 /* device to device */, c->stream),
+                       "cudaMemcpyAsync");
                 else
-                    NC(nc, nc->ncclSend(blk, n, SS_NCCL_UINT8, r, c->comm, c->stream),
+                    NC(nc,
+                       nc->ncclSend(blk, n, SS_NCCL_UINT8, r, c->comm,
+                                    c->stream),
                        "ncclSend");
             }
         } else {
-            NC(nc, nc->ncclRecv(recv, n, SS_NCCL_UINT8, root, c->comm, c->stream),
+            NC(nc,
+               nc->ncclRecv(recv, n, SS_NCCL_UINT8, root, c->comm, c->stream),
                "ncclRecv");
         }
         grouped = 0;
@@ -191,14 +207,19 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
             for (int r = 0; r < c->nranks; r++) {
                 char *blk = (char *)recv + (size_t)r * n;
                 if (r == root)
-                    CU(cu, cu->cudaMemcpyAsync(blk, send, n, 3 /* device to device */,
-                                               c->stream), "cudaMemcpyAsync");
+                    CU(cu,
+                       cu->cudaMemcpyAsync(blk, send, n,
+                                           3 /* device to device */, c->stream),
+                       "cudaMemcpyAsync");
                 else
-                    NC(nc, nc->ncclRecv(blk, n, SS_NCCL_UINT8, r, c->comm, c->stream),
+                    NC(nc,
+                       nc->ncclRecv(blk, n, SS_NCCL_UINT8, r, c->comm,
+                                    c->stream),
                        "ncclRecv");
             }
         } else {
-            NC(nc, nc->ncclSend(send, n, SS_NCCL_UINT8, root, c->comm, c->stream),
+            NC(nc,
+               nc->ncclSend(send, n, SS_NCCL_UINT8, root, c->comm, c->stream),
                "ncclSend");
         }
         grouped = 0;
@@ -210,7 +231,8 @@ static int run(ss_comm *c, int op, const void *send, void *recv, size_t n,
     if (wait) {
         ss_ncclResult_t async = SS_NCCL_SUCCESS;
         CU(cu, cu->cudaEventSynchronize(c->after), "cudaEventSynchronize");
-        NC(nc, nc->ncclCommGetAsyncError(c->comm, &async), "ncclCommGetAsyncError");
+        NC(nc, nc->ncclCommGetAsyncError(c->comm, &async),
+           "ncclCommGetAsyncError");
         NC(nc, async, "NCCL (asynchronous)");
     }
 out:
@@ -239,8 +261,8 @@ int ss_comm_scatter(ss_comm *c, const void *send, void *recv, size_t n,
     return run(c, SCATTER, send, recv, n, root, stream, wait, err);
 }
 
-int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n,
-                   int root, void *stream, int wait, ss_errinfo *err)
+int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n, int root,
+                   void *stream, int wait, ss_errinfo *err)
 {
     return run(c, GATHER, send, recv, n, root, stream, wait, err);
 }

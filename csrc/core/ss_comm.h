@@ -36,11 +36,13 @@
 
 typedef struct ss_comm ss_comm;
 
-int ss_comm_unique_id(const ss_nccl *nc, unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
+int ss_comm_unique_id(const ss_nccl *nc,
+                      unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
                       ss_errinfo *err);
-int ss_comm_new(ss_comm **out, const ss_nccl *nc, const ss_cuda *cu,
-                int device, int nranks, int rank,
-                const unsigned char id[SS_NCCL_UNIQUE_ID_BYTES], ss_errinfo *err);
+int ss_comm_new(ss_comm **out, const ss_nccl *nc, const ss_cuda *cu, int device,
+                int nranks, int rank,
+                const unsigned char id[SS_NCCL_UNIQUE_ID_BYTES],
+                ss_errinfo *err);
 /* Destroy (or abort, after an asynchronous error); NULL is a no-op. */
 void ss_comm_free(ss_comm *c);
 int ss_comm_nranks(const ss_comm *c);
@@ -53,7 +55,7 @@ int ss_comm_broadcast(ss_comm *c, void *buf, size_t n, int root, void *stream,
                       int wait, ss_errinfo *err);
 int ss_comm_scatter(ss_comm *c, const void *send, void *recv, size_t n,
                     int root, void *stream, int wait, ss_errinfo *err);
-int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n,
-                   int root, void *stream, int wait, ss_errinfo *err);
+int ss_comm_gather(ss_comm *c, const void *send, void *recv, size_t n, int root,
+                   void *stream, int wait, ss_errinfo *err);
 
 #endif /* SS_COMM_H */

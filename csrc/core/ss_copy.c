@@ -32,7 +32,8 @@ static void stream_copy(char *d, const char *s, size_t n)
     d += head;
     s += head;
     n -= head;
-    for (; n >= WAYS * PAGE; d += WAYS * PAGE, s += WAYS * PAGE, n -= WAYS * PAGE)
+    for (; n >= WAYS * PAGE;
+         d += WAYS * PAGE, s += WAYS * PAGE, n -= WAYS * PAGE)
         for (size_t l = 0; l < PAGE; l += LINE)
             for (size_t w = 0; w < WAYS; w++)
                 line(d + w * PAGE + l, s + w * PAGE + l);

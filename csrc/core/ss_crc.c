@@ -190,13 +190,13 @@ static void init_once(void);
 uint32_t ss__crc32_portable(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once_ctl, init_once);
-    return slice16((const uint32_t(*)[256])tab32, crc, buf, len);
+    return slice16((const uint32_t (*)[256])tab32, crc, buf, len);
 }
 
 uint32_t ss__crc32c_portable(uint32_t crc, const void *buf, size_t len)
 {
     pthread_once(&init_once_ctl, init_once);
-    return slice16((const uint32_t(*)[256])tab32c, crc, buf, len);
+    return slice16((const uint32_t (*)[256])tab32c, crc, buf, len);
 }
 
 /* ---- dispatch --------------------------------------------------------- */

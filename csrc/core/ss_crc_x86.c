@@ -30,7 +30,7 @@
 #include <string.h>
 
 #define TARGET_PCLMUL __attribute__((target("pclmul,sse4.1")))
-#define TARGET_VPCLMUL                                                        \
+#define TARGET_VPCLMUL                                                         \
     __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.1")))
 #define TARGET_SSE42 __attribute__((target("sse4.2")))
 #define TARGET_SSE42_PCLMUL __attribute__((target("sse4.2,pclmul")))
@@ -41,7 +41,7 @@
  * hardware prefetcher, and costs nothing in cache. Prefetches never fault,
  * so running past the end of the buffer is harmless. */
 #define PREFETCH_AHEAD 4096
-#define PREFETCH(p)                                                           \
+#define PREFETCH(p)                                                            \
     _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
 
 /* ---- carry-less multiply folding -------------------------------------- */
@@ -96,8 +96,7 @@ fold_finish(__m128i x1, __m128i x2, __m128i x3, __m128i x4,
 }
 
 TARGET_PCLMUL uint32_t
-ss__crc_pclmul(uint32_t crc, const void *buf, size_t len,
-               const ss__crc_fold *k,
+ss__crc_pclmul(uint32_t crc, const void *buf, size_t len, const ss__crc_fold *k,
                uint32_t (*portable)(uint32_t, const void *, size_t))
 {
     const unsigned char *p = buf;
@@ -133,18 +132,16 @@ ss__crc_pclmul(uint32_t crc, const void *buf, size_t len,
 }
 
 /* z * x^D mod P (not fully reduced) xor d, in each 128-bit lane. */
-TARGET_VPCLMUL static inline __m512i fold512(__m512i z, __m512i k,
-                                             __m512i d)
+TARGET_VPCLMUL static inline __m512i fold512(__m512i z, __m512i k, __m512i d)
 {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(z, k, 0x00),
-                                     _mm512_clmulepi64_epi128(z, k, 0x11),
-                                     d, 0x96 /* a ^ b ^ c */);
+                                     _mm512_clmulepi64_epi128(z, k, 0x11), d,
+                                     0x96 /* a ^ b ^ c */);
 }
 
-TARGET_VPCLMUL uint32_t
-ss__crc_vpclmul(uint32_t crc, const void *buf, size_t len,
-                const ss__crc_fold *k,
-                uint32_t (*portable)(uint32_t, const void *, size_t))
+TARGET_VPCLMUL uint32_t ss__crc_vpclmul(
+    uint32_t crc, const void *buf, size_t len, const ss__crc_fold *k,
+    uint32_t (*portable)(uint32_t, const void *, size_t))
 {
     const unsigned char *p = buf;
     __m512i z0, z1, z2, z3, kk;
@@ -157,13 +154,12 @@ ss__crc_vpclmul(uint32_t crc, const void *buf, size_t len,
     z1 = _mm512_loadu_si512((const void *)(p + 64));
     z2 = _mm512_loadu_si512((const void *)(p + 128));
     z3 = _mm512_loadu_si512((const void *)(p + 192));
-    z0 = _mm512_xor_si512(
-        z0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)~crc)));
+    z0 = _mm512_xor_si512(z0,
+                          _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)~crc)));
     p += 256;
     len -= 256;
 
-    kk = _mm512_broadcast_i32x4(
-        _mm_loadu_si128((const __m128i *)k->fold2048));
+    kk = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)k->fold2048));
     while (len >= 256) {
         PREFETCH(p);
         PREFETCH(p + 64);
@@ -208,8 +204,7 @@ static inline uint64_t load64(const unsigned char *p)
 }
 
 /* One stream; takes and returns the register (not inverted). */
-TARGET_SSE42 static uint32_t crc32c_stream(uint32_t reg,
-                                           const unsigned char *p,
+TARGET_SSE42 static uint32_t crc32c_stream(uint32_t reg, const unsigned char *p,
                                            size_t len)
 {
     while (len >= 8) {
@@ -256,8 +251,7 @@ three_way(uint32_t reg, const unsigned char *p, size_t n, uint32_t k)
 }
 
 TARGET_SSE42_PCLMUL uint32_t ss__crc32c_sse42_3way(uint32_t crc,
-                                                   const void *buf,
-                                                   size_t len)
+                                                   const void *buf, size_t len)
 {
     const unsigned char *p = buf;
     uint32_t reg = ~crc;

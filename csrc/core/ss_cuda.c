@@ -12,16 +12,17 @@
  * toolkit's. _Generic does not evaluate its operand, so &cudaX creates no
  * reference to the symbol and nothing is linked. */
 #if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
-#error "per-thread default stream maps cudaMemcpyAsync to a _ptsz symbol; build without it"
+#error                                                                         \
+    "per-thread default stream maps cudaMemcpyAsync to a _ptsz symbol; build without it"
 #endif
-#define SS__CHECK_PROTO(ret, name, params)                                    \
-    _Static_assert(_Generic(&name, ss_##name##_fn: 1, default: 0),           \
+#define SS__CHECK_PROTO(ret, name, params)                                     \
+    _Static_assert(_Generic(&name, ss_##name##_fn: 1, default: 0),             \
                    #name " does not match the CUDA header's prototype");
 SS_CUDA_SYMBOLS(SS__CHECK_PROTO)
 #undef SS__CHECK_PROTO
 
-#define SS__SAME_ABI(a, b)                                                    \
-    _Static_assert(sizeof(a) == sizeof(b) && _Alignof(a) == _Alignof(b),      \
+#define SS__SAME_ABI(a, b)                                                     \
+    _Static_assert(sizeof(a) == sizeof(b) && _Alignof(a) == _Alignof(b),       \
                    #a " and " #b " differ in size or alignment")
 SS__SAME_ABI(ss__fb_cudaError_t, cudaError_t);
 SS__SAME_ABI(ss__fb_cudaMemcpyKind, enum cudaMemcpyKind);
@@ -37,9 +38,9 @@ _Static_assert(_Generic((ss__fb_cudaEvent_t)0, cudaEvent_t: 1, default: 0),
 _Static_assert(sizeof(ss__fb_cudaPointerAttributes) >=
                    sizeof(struct cudaPointerAttributes),
                "fallback cudaPointerAttributes is smaller than CUDA's");
-#define SS__SAME_OFFSET(m)                                                    \
-    _Static_assert(offsetof(ss__fb_cudaPointerAttributes, m) ==              \
-                       offsetof(struct cudaPointerAttributes, m),            \
+#define SS__SAME_OFFSET(m)                                                     \
+    _Static_assert(offsetof(ss__fb_cudaPointerAttributes, m) ==                \
+                       offsetof(struct cudaPointerAttributes, m),              \
                    "cudaPointerAttributes." #m " moved")
 SS__SAME_OFFSET(type);
 SS__SAME_OFFSET(device);
@@ -70,7 +71,10 @@ _Static_assert(SS_CUDA_MEMORY_TYPE_UNREGISTERED == cudaMemoryTypeUnregistered &&
 #endif /* SS_HAVE_CUDA_HEADERS */
 
 static const char *const default_names[] = {
-    "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so",
+    "libcudart.so.13",
+    "libcudart.so.12",
+    "libcudart.so.11.0",
+    "libcudart.so",
 };
 
 static const ss_dl_sym symbols[] = {

@@ -41,11 +41,11 @@ typedef int ss__fb_cudaMemcpyKind;
 typedef struct CUstream_st *ss__fb_cudaStream_t;
 typedef struct CUevent_st *ss__fb_cudaEvent_t;
 typedef struct ss__fb_cudaPointerAttributes {
-    int type;           /* enum cudaMemoryType */
+    int type; /* enum cudaMemoryType */
     int device;
     void *devicePointer;
     void *hostPointer;
-    long reserved[8];   /* CUDA 13; older runtimes write only the above */
+    long reserved[8]; /* CUDA 13; older runtimes write only the above */
 } ss__fb_cudaPointerAttributes;
 
 #ifdef SS_HAVE_CUDA_HEADERS
@@ -80,48 +80,49 @@ typedef ss__fb_cudaPointerAttributes ss_cudaPointerAttributes;
 #define SS_CUDA_MEMORY_TYPE_MANAGED 3
 
 /* X(return type, name, parameter list): every symbol the table holds. */
-#define SS_CUDA_SYMBOLS(X)                                                    \
-    X(ss_cudaError_t, cudaRuntimeGetVersion, (int *runtimeVersion))          \
-    X(ss_cudaError_t, cudaDriverGetVersion, (int *driverVersion))            \
-    X(ss_cudaError_t, cudaGetDeviceCount, (int *count))                      \
-    X(ss_cudaError_t, cudaGetDevice, (int *device))                          \
-    X(ss_cudaError_t, cudaSetDevice, (int device))                           \
-    X(const char *, cudaGetErrorString, (ss_cudaError_t error))              \
-    X(ss_cudaError_t, cudaHostAlloc,                                          \
-      (void **pHost, size_t size, unsigned int flags))                        \
-    X(ss_cudaError_t, cudaFreeHost, (void *ptr))                             \
-    X(ss_cudaError_t, cudaHostRegister,                                       \
-      (void *ptr, size_t size, unsigned int flags))                           \
-    X(ss_cudaError_t, cudaHostUnregister, (void *ptr))                       \
-    X(ss_cudaError_t, cudaStreamCreateWithFlags,                              \
-      (ss_cudaStream_t *pStream, unsigned int flags))                         \
-    X(ss_cudaError_t, cudaStreamDestroy, (ss_cudaStream_t stream))           \
-    X(ss_cudaError_t, cudaStreamSynchronize, (ss_cudaStream_t stream))       \
-    X(ss_cudaError_t, cudaStreamWaitEvent,                                    \
-      (ss_cudaStream_t stream, ss_cudaEvent_t event, unsigned int flags))     \
-    X(ss_cudaError_t, cudaEventCreateWithFlags,                               \
-      (ss_cudaEvent_t *event, unsigned int flags))                            \
-    X(ss_cudaError_t, cudaEventRecord,                                        \
-      (ss_cudaEvent_t event, ss_cudaStream_t stream))                         \
-    X(ss_cudaError_t, cudaEventSynchronize, (ss_cudaEvent_t event))          \
-    X(ss_cudaError_t, cudaEventQuery, (ss_cudaEvent_t event))                \
-    X(ss_cudaError_t, cudaEventDestroy, (ss_cudaEvent_t event))              \
-    X(ss_cudaError_t, cudaMemcpyAsync,                                        \
-      (void *dst, const void *src, size_t count, ss_cudaMemcpyKind kind,      \
-       ss_cudaStream_t stream))                                               \
-    X(ss_cudaError_t, cudaPointerGetAttributes,                               \
-      (ss_cudaPointerAttributes *attributes, const void *ptr))
+#define SS_CUDA_SYMBOLS(X)                                                     \
+    X(ss_cudaError_t, cudaRuntimeGetVersion, (int *runtimeVersion))            \
+    X(ss_cudaError_t, cudaDriverGetVersion, (int *driverVersion))              \
+    X(ss_cudaError_t, cudaGetDeviceCount, (int *count))                        \
+    X(ss_cudaError_t, cudaGetDevice, (int *device))                            \
+    X(ss_cudaError_t, cudaSetDevice, (int device))                             \
+    X(const char *, cudaGetErrorString, (ss_cudaError_t error))                \
+    X(ss_cudaError_t, cudaHostAlloc,                                           \
+      (void **pHost, size_t size, unsigned int flags))                         \
+    X(ss_cudaError_t, cudaFreeHost, (void *ptr))                               \
+    X(ss_cudaError_t, cudaHostRegister,                                        \
+      (void *ptr, size_t size, unsigned int flags))                            \
+    X(ss_cudaError_t, cudaHostUnregister, (void *ptr))                         \
+    X(ss_cudaError_t, cudaStreamCreateWithFlags,                               \
+      (ss_cudaStream_t * pStream, unsigned int flags))                         \
+    X(ss_cudaError_t, cudaStreamDestroy, (ss_cudaStream_t stream))             \
+    X(ss_cudaError_t, cudaStreamSynchronize, (ss_cudaStream_t stream))         \
+    X(ss_cudaError_t, cudaStreamWaitEvent,                                     \
+      (ss_cudaStream_t stream, ss_cudaEvent_t event, unsigned int flags))      \
+    X(ss_cudaError_t, cudaEventCreateWithFlags,                                \
+      (ss_cudaEvent_t * event, unsigned int flags))                            \
+    X(ss_cudaError_t, cudaEventRecord,                                         \
+      (ss_cudaEvent_t event, ss_cudaStream_t stream))                          \
+    X(ss_cudaError_t, cudaEventSynchronize, (ss_cudaEvent_t event))            \
+    X(ss_cudaError_t, cudaEventQuery, (ss_cudaEvent_t event))                  \
+    X(ss_cudaError_t, cudaEventDestroy, (ss_cudaEvent_t event))                \
+    X(ss_cudaError_t, cudaMemcpyAsync,                                         \
+      (void *dst, const void *src, size_t count, ss_cudaMemcpyKind kind,       \
+       ss_cudaStream_t stream))                                                \
+    X(ss_cudaError_t, cudaPointerGetAttributes,                                \
+      (ss_cudaPointerAttributes * attributes, const void *ptr))
 
-#define SS__CUDA_FN_TYPEDEF(ret, name, params) typedef ret(*ss_##name##_fn) params;
+#define SS__CUDA_FN_TYPEDEF(ret, name, params)                                 \
+    typedef ret(*ss_##name##_fn) params;
 SS_CUDA_SYMBOLS(SS__CUDA_FN_TYPEDEF)
 #undef SS__CUDA_FN_TYPEDEF
 
 /* The loaded runtime: call through the members, e.g.
  * cu->cudaStreamSynchronize(s). */
 typedef struct ss_cuda {
-    ss_dl_lib lib;        /* path of the file loaded; first member */
-    int runtime_version;  /* e.g. 12040 for 12.4 */
-    int driver_version;   /* 0 when no driver is installed */
+    ss_dl_lib lib;       /* path of the file loaded; first member */
+    int runtime_version; /* e.g. 12040 for 12.4 */
+    int driver_version;  /* 0 when no driver is installed */
 #define SS__CUDA_MEMBER(ret, name, params) ss_##name##_fn name;
     SS_CUDA_SYMBOLS(SS__CUDA_MEMBER)
 #undef SS__CUDA_MEMBER

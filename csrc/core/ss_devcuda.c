@@ -28,11 +28,11 @@ static int fail(ss_devcuda *d, const char *call, ss_cudaError_t e)
     return SS_EDEVICE;
 }
 
-#define CALL(d, expr, name)                                                   \
-    do {                                                                      \
-        ss_cudaError_t e_ = (expr);                                           \
-        if (e_ != SS_CUDA_SUCCESS)                                            \
-            return fail((d), (name), e_);                                     \
+#define CALL(d, expr, name)                                                    \
+    do {                                                                       \
+        ss_cudaError_t e_ = (expr);                                            \
+        if (e_ != SS_CUDA_SUCCESS)                                             \
+            return fail((d), (name), e_);                                      \
     } while (0)
 
 /* The device current on this thread: worker threads start on device 0. */
@@ -95,7 +95,8 @@ static int stream_after(const ss_dev *dev, void *s, void *caller)
     int rc = current(d);
     if (rc < 0)
         return rc;
-    pthread_mutex_lock(&d->mu); /* one order event, used by one batch at a time */
+    pthread_mutex_lock(
+        &d->mu); /* one order event, used by one batch at a time */
     e = d->cu->cudaEventRecord(d->order, (ss_cudaStream_t)caller);
     if (e == SS_CUDA_SUCCESS) {
         call = "cudaStreamWaitEvent";
@@ -136,8 +137,9 @@ static int copy(const ss_dev *dev, void *dst, const void *src, size_t n,
         return SS_EINVAL;
     CALL(d,
          d->cu->cudaMemcpyAsync(dst, src, n,
-                                kind == SS_DEV_D2H ? SS_CUDA_MEMCPY_DEVICE_TO_HOST
-                                                   : SS_CUDA_MEMCPY_HOST_TO_DEVICE,
+                                kind == SS_DEV_D2H
+                                    ? SS_CUDA_MEMCPY_DEVICE_TO_HOST
+                                    : SS_CUDA_MEMCPY_HOST_TO_DEVICE,
                                 (ss_cudaStream_t)s),
          "cudaMemcpyAsync");
     return 0;
@@ -182,10 +184,10 @@ int ss_devcuda_new(ss_devcuda **out, const ss_cuda *cu, int device,
     d->cu = cu;
     d->device = device;
     pthread_mutex_init(&d->mu, NULL);
-    d->dev = (ss_dev){d,          "cuda",      host_alloc, host_free,
-                      stream_new, stream_free, stream_after, event_new,
-                      event_free, copy,        record,     sync_event,
-                      describe};
+    d->dev =
+        (ss_dev){d,           "cuda",       host_alloc, host_free,  stream_new,
+                 stream_free, stream_after, event_new,  event_free, copy,
+                 record,      sync_event,   describe};
     rc = current(d);
     if (rc == 0) {
         void *ev = NULL;

@@ -185,7 +185,8 @@ static int copy(const ss_dev *dev, void *dst, const void *src, size_t n,
     s->queued++;
     long inflight = (long)(s->queued - s->done);
     long m = atomic_load(&h->max_inflight);
-    while (inflight > m && !atomic_compare_exchange_weak(&h->max_inflight, &m, inflight))
+    while (inflight > m &&
+           !atomic_compare_exchange_weak(&h->max_inflight, &m, inflight))
         ;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
@@ -226,9 +227,10 @@ int ss_devhost_new(ss_devhost **out)
     ss_devhost *h = calloc(1, sizeof *h);
     if (h == NULL)
         return SS_ENOMEM;
-    h->dev = (ss_dev){h,           "host",     host_alloc, host_free,
-                      stream_new,  stream_free, stream_after, event_new,
-                      event_free,  copy,       record,     sync_event, NULL};
+    h->dev =
+        (ss_dev){h,           "host",       host_alloc, host_free,  stream_new,
+                 stream_free, stream_after, event_new,  event_free, copy,
+                 record,      sync_event,   NULL};
     *out = h;
     return 0;
 }

@@ -32,15 +32,15 @@
 
 /* First member of every table: filled by ss_dl_load. */
 typedef struct ss_dl_lib {
-    char path[SS_DL_PATH_MAX];      /* the file actually loaded (realpath) */
-    void *handle;                   /* dlopen handle, never closed */
-    const void *spec;               /* the ss_dl_spec it was loaded for */
-    const struct ss_dl_lib *next;   /* registry link (internal) */
+    char path[SS_DL_PATH_MAX];    /* the file actually loaded (realpath) */
+    void *handle;                 /* dlopen handle, never closed */
+    const void *spec;             /* the ss_dl_spec it was loaded for */
+    const struct ss_dl_lib *next; /* registry link (internal) */
 } ss_dl_lib;
 
 typedef struct ss_dl_sym {
-    const char *name;   /* symbol to dlsym */
-    size_t offset;      /* offset of its function-pointer member in the table */
+    const char *name; /* symbol to dlsym */
+    size_t offset;    /* offset of its function-pointer member in the table */
 } ss_dl_sym;
 
 /* Called with every symbol resolved; the check may call into the library
@@ -49,13 +49,13 @@ typedef struct ss_dl_sym {
 typedef int (*ss_dl_check_fn)(void *table, char *why, size_t why_len);
 
 typedef struct ss_dl_spec {
-    const char *what;                 /* "libcudart": names it in reasons */
-    const char *const *defaults;      /* candidates when the caller gives none */
+    const char *what;            /* "libcudart": names it in reasons */
+    const char *const *defaults; /* candidates when the caller gives none */
     size_t ndefaults;
     const ss_dl_sym *syms;
     size_t nsyms;
-    size_t table_size;                /* sizeof the table; starts with ss_dl_lib */
-    ss_dl_check_fn check;             /* may be NULL */
+    size_t table_size;    /* sizeof the table; starts with ss_dl_lib */
+    ss_dl_check_fn check; /* may be NULL */
 } ss_dl_spec;
 
 /* Load the first usable candidate (cands[0..n), or spec->defaults when

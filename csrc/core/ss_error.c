@@ -49,7 +49,9 @@ void ss_errinfo_copy(ss_errinfo *dst, const ss_errinfo *src)
 const char *ss_strerror(int code)
 {
     switch (code) {
-#define SS__CASE(name, value, msg) case name: return msg;
+#define SS__CASE(name, value, msg)                                             \
+    case name:                                                                 \
+        return msg;
         SS_ERROR_TABLE(SS__CASE)
 #undef SS__CASE
     default:

@@ -16,34 +16,34 @@
 #include <stdint.h>
 
 /* X(name, value, message) */
-#define SS_ERROR_TABLE(X)                                                     \
-    X(SS_EINVAL,    -1001, "invalid argument")                                \
-    X(SS_ENOMEM,    -1002, "out of memory")                                   \
-    X(SS_ECHECKSUM, -1003, "checksum mismatch")                               \
-    X(SS_ERANGE,    -1004, "offset or length outside the file or buffer")     \
-    X(SS_EOVERLAP,  -1005, "regions overlap or do not fit")                   \
-    X(SS_ECANCELED, -1006, "canceled after another job failed")               \
-    X(SS_ENOTAVAIL, -1007, "feature or library not available")               \
-    X(SS_EINTERNAL, -1008, "internal error")                                  \
-    X(SS_ESHORT,    -1009, "unexpected end of file")                         \
-    X(SS_EDEVICE,   -1010, "a device (CUDA) runtime call failed")
+#define SS_ERROR_TABLE(X)                                                      \
+    X(SS_EINVAL, -1001, "invalid argument")                                    \
+    X(SS_ENOMEM, -1002, "out of memory")                                       \
+    X(SS_ECHECKSUM, -1003, "checksum mismatch")                                \
+    X(SS_ERANGE, -1004, "offset or length outside the file or buffer")         \
+    X(SS_EOVERLAP, -1005, "regions overlap or do not fit")                     \
+    X(SS_ECANCELED, -1006, "canceled after another job failed")                \
+    X(SS_ENOTAVAIL, -1007, "feature or library not available")                 \
+    X(SS_EINTERNAL, -1008, "internal error")                                   \
+    X(SS_ESHORT, -1009, "unexpected end of file")                              \
+    X(SS_EDEVICE, -1010, "a device (CUDA) runtime call failed")
 
 enum {
 #define SS__ENUM(name, value, msg) name = value,
     SS_ERROR_TABLE(SS__ENUM)
 #undef SS__ENUM
-    SS_OK = 0
+        SS_OK = 0
 };
 
 #define SS_ERR_PATH_MAX 512
 #define SS_ERR_DETAIL_MAX 256
 
 typedef struct ss_errinfo {
-    int code;          /* 0 or the negative code returned */
-    int sys_errno;     /* errno behind code, or 0 */
-    const char *op;    /* static string naming the operation, or NULL */
-    int64_t offset;    /* file or buffer offset involved, or -1 */
-    int64_t job;       /* index of the failing job in a batch, or -1 */
+    int code;       /* 0 or the negative code returned */
+    int sys_errno;  /* errno behind code, or 0 */
+    const char *op; /* static string naming the operation, or NULL */
+    int64_t offset; /* file or buffer offset involved, or -1 */
+    int64_t job;    /* index of the failing job in a batch, or -1 */
     char path[SS_ERR_PATH_MAX];     /* file involved, or "" */
     char detail[SS_ERR_DETAIL_MAX]; /* free text, or "" */
 } ss_errinfo;
@@ -70,6 +70,9 @@ void ss_errinfo_copy(ss_errinfo *dst, const ss_errinfo *src);
 const char *ss_strerror(int code);
 
 /* 1 when code is a -errno value rather than one of the core's codes. */
-static inline int ss_is_errno(int code) { return code < 0 && code > -1000; }
+static inline int ss_is_errno(int code)
+{
+    return code < 0 && code > -1000;
+}
 
 #endif /* SS_ERROR_H */

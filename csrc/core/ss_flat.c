@@ -27,10 +27,10 @@ struct ss_flat_layout {
     size_t nparams, nsegs;
     int64_t world_size, align_numel;
     int64_t unpadded_numel, flat_numel, shard_numel, padded_numel;
-    int64_t *numels;  /* nparams */
-    int64_t *offsets; /* nparams */
-    int64_t *seg_numels;        /* nsegs */
-    unsigned char *seg_is_pad;  /* nsegs */
+    int64_t *numels;           /* nparams */
+    int64_t *offsets;          /* nparams */
+    int64_t *seg_numels;       /* nsegs */
+    unsigned char *seg_is_pad; /* nsegs */
 };
 
 /* ---- checked arithmetic (operands >= 0) --------------------------------- */
@@ -165,24 +165,57 @@ void ss_flat_layout_free(ss_flat_layout *l)
     free(l);
 }
 
-size_t ss_flat_nparams(const ss_flat_layout *l) { return l->nparams; }
-int64_t ss_flat_world_size(const ss_flat_layout *l) { return l->world_size; }
-int64_t ss_flat_align_numel(const ss_flat_layout *l) { return l->align_numel; }
-const int64_t *ss_flat_numels(const ss_flat_layout *l) { return l->numels; }
-const int64_t *ss_flat_offsets(const ss_flat_layout *l) { return l->offsets; }
-int64_t ss_flat_unpadded_numel(const ss_flat_layout *l) { return l->unpadded_numel; }
-int64_t ss_flat_flat_numel(const ss_flat_layout *l) { return l->flat_numel; }
-int64_t ss_flat_shard_numel(const ss_flat_layout *l) { return l->shard_numel; }
-int64_t ss_flat_padded_numel(const ss_flat_layout *l) { return l->padded_numel; }
-size_t ss_flat_nsegments(const ss_flat_layout *l) { return l->nsegs; }
-const int64_t *ss_flat_segment_numels(const ss_flat_layout *l) { return l->seg_numels; }
+size_t ss_flat_nparams(const ss_flat_layout *l)
+{
+    return l->nparams;
+}
+int64_t ss_flat_world_size(const ss_flat_layout *l)
+{
+    return l->world_size;
+}
+int64_t ss_flat_align_numel(const ss_flat_layout *l)
+{
+    return l->align_numel;
+}
+const int64_t *ss_flat_numels(const ss_flat_layout *l)
+{
+    return l->numels;
+}
+const int64_t *ss_flat_offsets(const ss_flat_layout *l)
+{
+    return l->offsets;
+}
+int64_t ss_flat_unpadded_numel(const ss_flat_layout *l)
+{
+    return l->unpadded_numel;
+}
+int64_t ss_flat_flat_numel(const ss_flat_layout *l)
+{
+    return l->flat_numel;
+}
+int64_t ss_flat_shard_numel(const ss_flat_layout *l)
+{
+    return l->shard_numel;
+}
+int64_t ss_flat_padded_numel(const ss_flat_layout *l)
+{
+    return l->padded_numel;
+}
+size_t ss_flat_nsegments(const ss_flat_layout *l)
+{
+    return l->nsegs;
+}
+const int64_t *ss_flat_segment_numels(const ss_flat_layout *l)
+{
+    return l->seg_numels;
+}
 const unsigned char *ss_flat_segment_is_padding(const ss_flat_layout *l)
 {
     return l->seg_is_pad;
 }
 
-int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank,
-                        int64_t *start, int64_t *end, ss_errinfo *err)
+int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank, int64_t *start,
+                        int64_t *end, ss_errinfo *err)
 {
     if (rank < 0 || rank >= l->world_size)
         return ss_errinfo_set(err, SS_EINVAL, "shard_range", NULL, -1,
@@ -290,8 +323,8 @@ static void fill(char *dst, const char *pattern, size_t n, size_t itemsize)
 }
 
 /* Validate one job and append its operations. */
-static int job_ops(const ss_flat_job *job, int unflatten,
-                   op_vec *v, ss_flat_info *infos, ss_errinfo *err)
+static int job_ops(const ss_flat_job *job, int unflatten, op_vec *v,
+                   ss_flat_info *infos, ss_errinfo *err)
 {
     const char *op = unflatten ? "unflatten" : "flatten";
     const ss_flat_layout *l = job->layout;
@@ -300,8 +333,8 @@ static int job_ops(const ss_flat_job *job, int unflatten,
 
     if (l == NULL || is == 0 || is > SS_FLAT_MAX_ITEMSIZE)
         return ss_errinfo_set(err, SS_EINVAL, op, NULL, -1,
-                              "no layout, or itemsize %zu outside [1, %d]",
-                              is, SS_FLAT_MAX_ITEMSIZE);
+                              "no layout, or itemsize %zu outside [1, %d]", is,
+                              SS_FLAT_MAX_ITEMSIZE);
     if ((rc = ss_flat_shard_infos(l, job->rank, infos, err)) < 0)
         return rc;
     if (!bytes_ok(l->shard_numel, is, &shard_bytes))
@@ -354,8 +387,8 @@ static int job_ops(const ss_flat_job *job, int unflatten,
                                       (long long)plo, (long long)phi);
             } else {
                 rc = push(v, (char *)job->shard + off,
-                          (const char *)p->data + (size_t)(lo - plo) * is,
-                          NULL, nb, is);
+                          (const char *)p->data + (size_t)(lo - plo) * is, NULL,
+                          nb, is);
             }
             if (rc < 0)
                 goto nomem;
@@ -371,9 +404,8 @@ static int job_ops(const ss_flat_job *job, int unflatten,
                 goto nomem;
         }
     }
-    if (!unflatten &&
-        (rc = push(v, (char *)job->shard + cursor, NULL, job->pad,
-                   shard_bytes - cursor, is)) < 0)
+    if (!unflatten && (rc = push(v, (char *)job->shard + cursor, NULL, job->pad,
+                                 shard_bytes - cursor, is)) < 0)
         goto nomem;
     return 0;
 nomem:

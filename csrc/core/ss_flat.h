@@ -83,8 +83,8 @@ typedef struct ss_flat_info {
 } ss_flat_info;
 
 /* rank's [start, end) in the padded flat parameter. 0 or SS_EINVAL. */
-int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank,
-                        int64_t *start, int64_t *end, ss_errinfo *err);
+int ss_flat_shard_range(const ss_flat_layout *l, int64_t rank, int64_t *start,
+                        int64_t *end, ss_errinfo *err);
 
 /* Shard infos (nparams entries into out) of the range [start, end) of the
  * padded flat parameter, 0 <= start <= end (end may pass padded_numel, as

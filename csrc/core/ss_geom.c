@@ -79,8 +79,8 @@ static int box_empty(int ndim, const int64_t *size)
 
 typedef struct {
     ss_geom_index *ix;
-    size_t *perm;   /* rows of ix->lo/hi, reordered by the build */
-    int64_t *key;   /* scratch: the split key of perm[i] */
+    size_t *perm; /* rows of ix->lo/hi, reordered by the build */
+    int64_t *key; /* scratch: the split key of perm[i] */
 } builder;
 
 static void swap_pk(size_t *perm, int64_t *key, size_t a, size_t b)
@@ -140,8 +140,7 @@ static void select_nth(size_t *perm, int64_t *key, size_t lo, size_t hi,
     }
 }
 
-static int add_node(ss_geom_index *ix, size_t start, size_t count,
-                    int64_t *out)
+static int add_node(ss_geom_index *ix, size_t start, size_t count, int64_t *out)
 {
     int nd = ix->ndim;
     if (ix->nnodes == ix->cap_nodes) {
@@ -282,8 +281,7 @@ int ss_geom_index_new(ss_geom_index **out, int ndim, size_t n,
     *out = NULL;
     if (ndim < 0 || ndim > SS_GEOM_MAX_NDIM) {
         rc = ss_errinfo_set(err, SS_EINVAL, "geom_index", NULL, -1,
-                            "ndim %d outside [0, %d]", ndim,
-                            SS_GEOM_MAX_NDIM);
+                            "ndim %d outside [0, %d]", ndim, SS_GEOM_MAX_NDIM);
         goto out;
     }
     if (n > 0 && nd > 0 && (offsets == NULL || sizes == NULL)) {
@@ -296,8 +294,8 @@ int ss_geom_index_new(ss_geom_index **out, int ndim, size_t n,
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
-        if (!box_ok(ndim, offsets + i * nd, sizes + i * nd, err,
-                    "geom_index", (int64_t)i)) {
+        if (!box_ok(ndim, offsets + i * nd, sizes + i * nd, err, "geom_index",
+                    (int64_t)i)) {
             rc = SS_EINVAL;
             goto out;
         }
@@ -427,12 +425,12 @@ static int reserve(ss_overlaps *o, size_t need, int ndim)
         cap *= 2;
     if (cap > SIZE_MAX / sizeof(int64_t) / (nd ? nd : 1))
         return SS_ENOMEM;
-#define SS__GROW(field, width)                                                \
-    do {                                                                      \
-        p = realloc(o->field, (cap * (width) + 1) * sizeof *p);               \
-        if (p == NULL)                                                        \
-            return SS_ENOMEM;                                                 \
-        o->field = p;                                                         \
+#define SS__GROW(field, width)                                                 \
+    do {                                                                       \
+        p = realloc(o->field, (cap * (width) + 1) * sizeof *p);                \
+        if (p == NULL)                                                         \
+            return SS_ENOMEM;                                                  \
+        o->field = p;                                                          \
     } while (0)
     SS__GROW(request_index, 1);
     SS__GROW(saved_index, 1);
@@ -493,8 +491,8 @@ static int query_one(const ss_geom_index *ix, const int64_t *qoff,
             const geom_node *node = &ix->nodes[stack[--top]];
             int64_t self = node - ix->nodes;
             out->visited++;
-            if (!intersects(nd, ix->nlo + self * nd, ix->nhi + self * nd,
-                            qoff, qhi))
+            if (!intersects(nd, ix->nlo + self * nd, ix->nhi + self * nd, qoff,
+                            qhi))
                 continue;
             if (node->left >= 0) {
                 assert(top + 2 <= SS__STACK);
@@ -593,13 +591,13 @@ typedef struct {
     char *dst;
     const char *src;
     size_t elsize;
-    int64_t total;       /* elements */
+    int64_t total; /* elements */
     /* Blocked mode (tile > 0): the last two dims are copied in tiles of
      * tile x tile elements; a unit is one tile-row (tile rows of dim nd-2
      * by all of dim nd-1) under one index of the outer dims. */
     int64_t tile, jblocks;
-    int64_t work;        /* elements, or units in blocked mode */
-    int64_t piece;       /* work per pool task */
+    int64_t work;  /* elements, or units in blocked mode */
+    int64_t piece; /* work per pool task */
 } copy_plan;
 
 /* *r = a * b for a, b >= 0; 0 on overflow. */
@@ -626,17 +624,23 @@ static void copy_row(char *d, int64_t ds, const char *s, int64_t ss,
         ss_copy(d, s, (size_t)len * elsize);
         return;
     }
-#define SS__LOOP(N)                                                           \
-    for (int64_t i = 0; i < len; i++)                                         \
-        memcpy(d + i * ds, s + i * ss, N);                                    \
+#define SS__LOOP(N)                                                            \
+    for (int64_t i = 0; i < len; i++)                                          \
+        memcpy(d + i * ds, s + i * ss, N);                                     \
     break
     switch (elsize) {
-    case 1: SS__LOOP(1);
-    case 2: SS__LOOP(2);
-    case 4: SS__LOOP(4);
-    case 8: SS__LOOP(8);
-    case 16: SS__LOOP(16);
-    default: SS__LOOP(elsize);
+    case 1:
+        SS__LOOP(1);
+    case 2:
+        SS__LOOP(2);
+    case 4:
+        SS__LOOP(4);
+    case 8:
+        SS__LOOP(8);
+    case 16:
+        SS__LOOP(16);
+    default:
+        SS__LOOP(elsize);
     }
 #undef SS__LOOP
 }
@@ -735,8 +739,7 @@ static void plan_blocking(copy_plan *p)
     for (int d = 1; d < p->nd; d++)
         if (abs64(p->sstr[d]) < abs64(p->sstr[J]))
             J = d;
-    if (J == I || abs64(p->sstr[I]) < 256 || p->size[J] < 8 ||
-        p->size[I] < 8)
+    if (J == I || abs64(p->sstr[I]) < 256 || p->size[J] < 8 || p->size[I] < 8)
         return;
     /* Move J to nd - 2; the order of outer dims does not matter. */
     {
@@ -780,8 +783,7 @@ static int extent(const copy_plan *p, const int64_t *str, const void *base,
 
 int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
                const void *src, const int64_t *src_strides,
-               const int64_t *sizes, int ndim, size_t elsize,
-               ss_errinfo *err)
+               const int64_t *sizes, int ndim, size_t elsize, ss_errinfo *err)
 {
     int rc = 0, same;
     copy_plan p;
@@ -818,8 +820,8 @@ int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
             continue; /* its stride never matters */
         if (dst_strides[d] == 0) {
             rc = ss_errinfo_set(err, SS_EINVAL, "copy_nd", NULL, -1,
-                                "dim %d: dst stride 0 over %lld elements",
-                                d, (long long)sizes[d]);
+                                "dim %d: dst stride 0 over %lld elements", d,
+                                (long long)sizes[d]);
             goto out;
         }
         p.size[p.nd] = sizes[d];
@@ -828,8 +830,7 @@ int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
         p.nd++;
     }
     if (dst == NULL || src == NULL) {
-        rc = ss_errinfo_set(err, SS_EINVAL, "copy_nd", NULL, -1,
-                            "NULL buffer");
+        rc = ss_errinfo_set(err, SS_EINVAL, "copy_nd", NULL, -1, "NULL buffer");
         goto out;
     }
     if (!extent(&p, p.dstr, dst, &dlo, &dhi) ||

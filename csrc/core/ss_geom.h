@@ -105,8 +105,7 @@ int ss_geom_query_many(const ss_geom_index *ix, size_t m,
  * unspecified, but nothing is read or written outside the two regions. */
 int ss_copy_nd(ss_pool *pool, void *dst, const int64_t *dst_strides,
                const void *src, const int64_t *src_strides,
-               const int64_t *sizes, int ndim, size_t elsize,
-               ss_errinfo *err);
+               const int64_t *sizes, int ndim, size_t elsize, ss_errinfo *err);
 
 /* Bytes above which ss_copy_nd uses the pool. */
 #define SS_COPY_PARALLEL_MIN ((int64_t)1 << 20)

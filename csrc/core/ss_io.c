@@ -12,8 +12,9 @@
  *
  * write_all/read_all/readv_all are the only transfer loops of the core: they
  * retry EINTR, continue after short transfers and cap each call at
- * SS_IO_MAX_XFER (a run is at most one piece). Every other call that may report EINTR is retried by
- * RETRY, except close (on Linux the descriptor is gone after any close).
+ * SS_IO_MAX_XFER (a run is at most one piece). Every other call that may report
+ * EINTR is retried by RETRY, except close (on Linux the descriptor is gone
+ * after any close).
  */
 #include "ss_io.h"
 #include "ss_crc.h"
@@ -29,9 +30,9 @@
 #include <unistd.h>
 
 /* rc = expr, repeated while it reports EINTR. */
-#define RETRY(rc, expr)                                                       \
-    do                                                                        \
-        (rc) = (expr);                                                        \
+#define RETRY(rc, expr)                                                        \
+    do                                                                         \
+        (rc) = (expr);                                                         \
     while ((rc) == -EINTR)
 
 /* Write len bytes at off. On failure *at is the offset that failed. */
@@ -55,8 +56,8 @@ static int write_all(const ss_os *os, int fd, const char *p, uint64_t len,
 }
 
 /* Read len bytes at off; end of file before len is SS_ESHORT. */
-static int read_all(const ss_os *os, int fd, char *p, uint64_t len,
-                    int64_t off, int64_t *at)
+static int read_all(const ss_os *os, int fd, char *p, uint64_t len, int64_t off,
+                    int64_t *at)
 {
     while (len > 0) {
         size_t n = len < SS_IO_MAX_XFER ? (size_t)len : SS_IO_MAX_XFER;
@@ -122,12 +123,12 @@ typedef struct {
     const ss_io_rjob *r;
     piece *pieces;
     uint32_t *piece_crc;
-    int checksum; /* every job's CRC is computed */
-    int verify;   /* read jobs with has_crc get theirs computed and checked */
+    int checksum;  /* every job's CRC is computed */
+    int verify;    /* read jobs with has_crc get theirs computed and checked */
     int writeback; /* written pieces get their writeback started */
-    ss_stage *stage;       /* for device jobs, once its batch has begun */
-    size_t dsize;          /* device piece size; 0 when there is no stage */
-    ss_stage_item *items;  /* device writes, in piece order */
+    ss_stage *stage;      /* for device jobs, once its batch has begun */
+    size_t dsize;         /* device piece size; 0 when there is no stage */
+    ss_stage_item *items; /* device writes, in piece order */
     size_t nitems;
     atomic_int failed;
     pthread_mutex_t mu;
@@ -214,9 +215,9 @@ static int joins_run(const batch *b, size_t k, uint32_t file, int64_t end)
     const piece *pc = &b->pieces[k];
     int64_t start = job_offset(b, pc->job);
     return pc->start == 0 && pc->len == job_len(b, pc->job) &&
-           !job_dev(b, pc->job) &&
-           pc->len <= SS_IO_COALESCE_JOB && job_file(b, pc->job) == file &&
-           start >= end && (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
+           !job_dev(b, pc->job) && pc->len <= SS_IO_COALESCE_JOB &&
+           job_file(b, pc->job) == file && start >= end &&
+           (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
 }
 
 /* Reads: group consecutive small whole-job pieces into runs. */
@@ -250,8 +251,8 @@ static void coalesce(batch *b, size_t n, size_t psize)
 /* Start writeback of a piece just written: only a hint, so a file system
  * without it is no error, but a write error it reports early (EIO, ENOSPC)
  * is. */
-static void start_writeback(batch *b, uint32_t file, int64_t off,
-                            uint64_t len, size_t job)
+static void start_writeback(batch *b, uint32_t file, int64_t off, uint64_t len,
+                            size_t job)
 {
     if (!b->writeback || len == 0)
         return;
@@ -308,8 +309,8 @@ static void dev_read(batch *b, size_t i, uint32_t file, int64_t off)
     }
     if (wants_crc(b, pc->job))
         b->piece_crc[i] = ss_crc32(0, p, pc->len);
-    rc = ss__stage_h2d(b->stage, slot,
-                       (char *)b->r[pc->job].dst + pc->start, (size_t)pc->len);
+    rc = ss__stage_h2d(b->stage, slot, (char *)b->r[pc->job].dst + pc->start,
+                       (size_t)pc->len);
     if (rc < 0 && rc != SS_ECANCELED)
         record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
 }
@@ -477,8 +478,8 @@ static int make_pieces(batch *b, size_t njobs, size_t psize, size_t **first)
             uint64_t l = len - s < ps ? len - s : ps;
             b->pieces[k] = (piece){j, s, l, 1, SIZE_MAX};
             if (dev && b->w != NULL) {
-                b->items[items] = (ss_stage_item){
-                    (const char *)b->w[j].src + s, (size_t)l};
+                b->items[items] =
+                    (ss_stage_item){(const char *)b->w[j].src + s, (size_t)l};
                 b->pieces[k].item = items++;
             }
         }
@@ -575,9 +576,9 @@ out:
     for (size_t j = 0; rc == 0 && j < njobs; j++) {
         uint32_t crc = 0;
         for (size_t i = first[j]; wants_crc(&b, j) && i < first[j + 1]; i++)
-            crc = i == first[j] ? b.piece_crc[i]
-                                : ss_crc32_combine(crc, b.piece_crc[i],
-                                                   b.pieces[i].len);
+            crc = i == first[j]
+                      ? b.piece_crc[i]
+                      : ss_crc32_combine(crc, b.piece_crc[i], b.pieces[i].len);
         if (crcs != NULL)
             crcs[j] = crc;
         if (r != NULL && opts->verify && r[j].has_crc && crc != r[j].crc) {
@@ -606,8 +607,8 @@ int ss_io_write(const ss_os *os, ss_pool *pool, const char *const *paths,
                 const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err)
 {
     static const ss_io_wjob none;
-    return run_batch(os, pool, paths, npaths, jobs != NULL ? jobs : &none,
-                     NULL, njobs, opts, crcs, err);
+    return run_batch(os, pool, paths, npaths, jobs != NULL ? jobs : &none, NULL,
+                     njobs, opts, crcs, err);
 }
 
 int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
@@ -615,8 +616,8 @@ int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
                const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err)
 {
     static const ss_io_rjob none;
-    return run_batch(os, pool, paths, npaths, NULL,
-                     jobs != NULL ? jobs : &none, njobs, opts, crcs, err);
+    return run_batch(os, pool, paths, npaths, NULL, jobs != NULL ? jobs : &none,
+                     njobs, opts, crcs, err);
 }
 
 /* ---- atomic publish ----------------------------------------------------- */
@@ -652,8 +653,8 @@ int ss_io_publish(const ss_os *os, const char *path, const void *data,
                  (int)(slash ? slash - path + 1 : 0), path,
                  slash ? slash + 1 : path, (long)getpid(),
                  (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, attempt);
-        RETRY(fd, os->open(os, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
-                           0666));
+        RETRY(fd,
+              os->open(os, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
         if (fd != -EEXIST || attempt == 100)
             break;
     }

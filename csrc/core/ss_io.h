@@ -70,7 +70,8 @@ typedef struct ss_io_opts {
     void *stream;
 } ss_io_opts;
 
-#define SS_IO_OPTS_INIT {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0, NULL, NULL}
+#define SS_IO_OPTS_INIT                                                        \
+    {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0, NULL, NULL}
 
 typedef struct ss_io_wjob {
     const void *src;
@@ -85,9 +86,9 @@ typedef struct ss_io_rjob {
     uint64_t len;
     uint32_t file;
     int64_t offset;
-    uint32_t crc;  /* expected CRC-32, used when has_crc and opts->verify */
+    uint32_t crc; /* expected CRC-32, used when has_crc and opts->verify */
     int has_crc;
-    int dev;       /* dst is device memory (needs opts->stage) */
+    int dev; /* dst is device memory (needs opts->stage) */
 } ss_io_rjob;
 
 /* Write every job; crcs (njobs entries, may be NULL) receives each job's

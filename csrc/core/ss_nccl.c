@@ -10,13 +10,13 @@
 #ifdef SS_HAVE_NCCL_HEADERS
 /* Compile-time proof that the header-less declarations match nccl.h; see
  * ss_cuda.c (_Generic does not evaluate &ncclX: nothing is linked). */
-#define SS__CHECK_PROTO(ret, name, params)                                    \
-    _Static_assert(_Generic(&name, ss_##name##_fn: 1, default: 0),           \
+#define SS__CHECK_PROTO(ret, name, params)                                     \
+    _Static_assert(_Generic(&name, ss_##name##_fn: 1, default: 0),             \
                    #name " does not match nccl.h's prototype");
 SS_NCCL_SYMBOLS(SS__CHECK_PROTO)
 #undef SS__CHECK_PROTO
-#define SS__SAME_ABI(a, b)                                                    \
-    _Static_assert(sizeof(a) == sizeof(b) && _Alignof(a) == _Alignof(b),      \
+#define SS__SAME_ABI(a, b)                                                     \
+    _Static_assert(sizeof(a) == sizeof(b) && _Alignof(a) == _Alignof(b),       \
                    #a " and " #b " differ in size or alignment")
 SS__SAME_ABI(ss__fb_ncclResult_t, ncclResult_t);
 SS__SAME_ABI(ss__fb_ncclDataType_t, ncclDataType_t);
@@ -72,10 +72,10 @@ static int check_version(void *table, char *why, size_t why_len)
     }
     v = ss_nccl_version_code(raw);
     if (v < SS_NCCL_MIN_VERSION) {
-        snprintf(why, why_len,
-                 "NCCL %d.%d.%d is older than the minimum %d.%d.%d", v / 10000,
-                 (v % 10000) / 100, v % 100, SS_NCCL_MIN_VERSION / 10000,
-                 (SS_NCCL_MIN_VERSION % 10000) / 100, SS_NCCL_MIN_VERSION % 100);
+        snprintf(
+            why, why_len, "NCCL %d.%d.%d is older than the minimum %d.%d.%d",
+            v / 10000, (v % 10000) / 100, v % 100, SS_NCCL_MIN_VERSION / 10000,
+            (SS_NCCL_MIN_VERSION % 10000) / 100, SS_NCCL_MIN_VERSION % 100);
         return SS_ENOTAVAIL;
     }
     nc->version = v;

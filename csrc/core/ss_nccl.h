@@ -72,45 +72,46 @@ typedef ss__fb_ncclUniqueId ss_ncclUniqueId;
 
 /* X(return type, name, parameter list). ncclReduceScatter is included:
  * every NCCL since 2.0 has it. */
-#define SS_NCCL_SYMBOLS(X)                                                    \
-    X(ss_ncclResult_t, ncclGetVersion, (int *version))                       \
-    X(ss_ncclResult_t, ncclGetUniqueId, (ss_ncclUniqueId *uniqueId))         \
-    X(ss_ncclResult_t, ncclCommInitRank,                                      \
-      (ss_ncclComm_t *comm, int nranks, ss_ncclUniqueId commId, int rank))    \
-    X(ss_ncclResult_t, ncclCommDestroy, (ss_ncclComm_t comm))                \
-    X(ss_ncclResult_t, ncclCommAbort, (ss_ncclComm_t comm))                  \
-    X(ss_ncclResult_t, ncclCommGetAsyncError,                                 \
-      (ss_ncclComm_t comm, ss_ncclResult_t *asyncError))                      \
-    X(const char *, ncclGetErrorString, (ss_ncclResult_t result))            \
-    X(ss_ncclResult_t, ncclAllGather,                                         \
-      (const void *sendbuff, void *recvbuff, size_t sendcount,                \
-       ss_ncclDataType_t datatype, ss_ncclComm_t comm,                        \
-       ss_cudaStream_t stream))                                               \
-    X(ss_ncclResult_t, ncclBroadcast,                                         \
-      (const void *sendbuff, void *recvbuff, size_t count,                    \
-       ss_ncclDataType_t datatype, int root, ss_ncclComm_t comm,              \
-       ss_cudaStream_t stream))                                               \
-    X(ss_ncclResult_t, ncclReduceScatter,                                     \
-      (const void *sendbuff, void *recvbuff, size_t recvcount,                \
-       ss_ncclDataType_t datatype, ss_ncclRedOp_t op, ss_ncclComm_t comm,     \
-       ss_cudaStream_t stream))                                               \
-    X(ss_ncclResult_t, ncclGroupStart, (void))                               \
-    X(ss_ncclResult_t, ncclGroupEnd, (void))                                 \
-    X(ss_ncclResult_t, ncclSend,                                              \
-      (const void *sendbuff, size_t count, ss_ncclDataType_t datatype,        \
-       int peer, ss_ncclComm_t comm, ss_cudaStream_t stream))                 \
-    X(ss_ncclResult_t, ncclRecv,                                              \
-      (void *recvbuff, size_t count, ss_ncclDataType_t datatype, int peer,    \
+#define SS_NCCL_SYMBOLS(X)                                                     \
+    X(ss_ncclResult_t, ncclGetVersion, (int *version))                         \
+    X(ss_ncclResult_t, ncclGetUniqueId, (ss_ncclUniqueId * uniqueId))          \
+    X(ss_ncclResult_t, ncclCommInitRank,                                       \
+      (ss_ncclComm_t * comm, int nranks, ss_ncclUniqueId commId, int rank))    \
+    X(ss_ncclResult_t, ncclCommDestroy, (ss_ncclComm_t comm))                  \
+    X(ss_ncclResult_t, ncclCommAbort, (ss_ncclComm_t comm))                    \
+    X(ss_ncclResult_t, ncclCommGetAsyncError,                                  \
+      (ss_ncclComm_t comm, ss_ncclResult_t * asyncError))                      \
+    X(const char *, ncclGetErrorString, (ss_ncclResult_t result))              \
+    X(ss_ncclResult_t, ncclAllGather,                                          \
+      (const void *sendbuff, void *recvbuff, size_t sendcount,                 \
+       ss_ncclDataType_t datatype, ss_ncclComm_t comm,                         \
+       ss_cudaStream_t stream))                                                \
+    X(ss_ncclResult_t, ncclBroadcast,                                          \
+      (const void *sendbuff, void *recvbuff, size_t count,                     \
+       ss_ncclDataType_t datatype, int root, ss_ncclComm_t comm,               \
+       ss_cudaStream_t stream))                                                \
+    X(ss_ncclResult_t, ncclReduceScatter,                                      \
+      (const void *sendbuff, void *recvbuff, size_t recvcount,                 \
+       ss_ncclDataType_t datatype, ss_ncclRedOp_t op, ss_ncclComm_t comm,      \
+       ss_cudaStream_t stream))                                                \
+    X(ss_ncclResult_t, ncclGroupStart, (void))                                 \
+    X(ss_ncclResult_t, ncclGroupEnd, (void))                                   \
+    X(ss_ncclResult_t, ncclSend,                                               \
+      (const void *sendbuff, size_t count, ss_ncclDataType_t datatype,         \
+       int peer, ss_ncclComm_t comm, ss_cudaStream_t stream))                  \
+    X(ss_ncclResult_t, ncclRecv,                                               \
+      (void *recvbuff, size_t count, ss_ncclDataType_t datatype, int peer,     \
        ss_ncclComm_t comm, ss_cudaStream_t stream))
 
-#define SS__NCCL_FN_TYPEDEF(ret, name, params) typedef ret(*ss_##name##_fn) params;
+#define SS__NCCL_FN_TYPEDEF(ret, name, params)                                 \
+    typedef ret(*ss_##name##_fn) params;
 SS_NCCL_SYMBOLS(SS__NCCL_FN_TYPEDEF)
 #undef SS__NCCL_FN_TYPEDEF
 
 /* The loaded library: call through the members, e.g. nc->ncclGroupStart(). */
 typedef struct ss_nccl {
-    ss_dl_lib lib;  /* path of the file loaded; first member */
-    int version;    /* normalised to 10000 * major + 100 * minor + patch */
+    ss_dl_lib lib; /* path of the file loaded; first member */
+    int version;   /* normalised to 10000 * major + 100 * minor + patch */
 #define SS__NCCL_MEMBER(ret, name, params) ss_##name##_fn name;
     SS_NCCL_SYMBOLS(SS__NCCL_MEMBER)
 #undef SS__NCCL_MEMBER
@@ -128,8 +129,8 @@ int ss_nccl_load(const char *const *cands, size_t n, const ss_nccl **out,
                  char *reason, size_t reason_len);
 
 typedef struct ss_nccl_status {
-    int loaded;   /* library found, all symbols, version accepted */
-    int version;  /* normalised code, 0 when not loaded */
+    int loaded;  /* library found, all symbols, version accepted */
+    int version; /* normalised code, 0 when not loaded */
     char path[SS_DL_PATH_MAX];
     char reason[SS_DL_REASON_MAX];
 } ss_nccl_status;

@@ -119,12 +119,15 @@ static int px_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
 }
 
 static const ss_os posix_os = {
-    NULL,      px_open,      px_close,  px_pwrite, px_pread,
-    px_preadv, px_fsync,     px_fsize,  px_ftruncate, px_rename,
+    NULL,      px_open,      px_close,     px_pwrite,    px_pread,
+    px_preadv, px_fsync,     px_fsize,     px_ftruncate, px_rename,
     px_unlink, px_fsync_dir, px_writeback,
 };
 
-const ss_os *ss_os_default(void) { return &posix_os; }
+const ss_os *ss_os_default(void)
+{
+    return &posix_os;
+}
 
 static const char *const op_names[SS_OS_NOPS] = {
 #define SS__OP_NAME(name, str) str,
@@ -190,14 +193,14 @@ static const ss_os *base_of(const ss_os *os)
 }
 
 /* For ops that do nothing when a fault hits: fail or EINTR, else go on. */
-#define SS__INJECT(os, op)                                                    \
-    do {                                                                      \
-        arm a_;                                                               \
-        int k_ = hit(os, op, &a_);                                            \
-        if (k_ == ARM_FAIL)                                                   \
-            return -(int)a_.value;                                            \
-        if (k_ == ARM_EINTR)                                                  \
-            return -EINTR;                                                    \
+#define SS__INJECT(os, op)                                                     \
+    do {                                                                       \
+        arm a_;                                                                \
+        int k_ = hit(os, op, &a_);                                             \
+        if (k_ == ARM_FAIL)                                                    \
+            return -(int)a_.value;                                             \
+        if (k_ == ARM_EINTR)                                                   \
+            return -EINTR;                                                     \
     } while (0)
 
 static int fi_open(const ss_os *os, const char *path, int flags, int mode)
@@ -333,10 +336,10 @@ int ss_faults_new(ss_faults **out, const ss_os *base)
     *out = NULL;
     if (f == NULL)
         return SS_ENOMEM;
-    f->vt = (ss_os){f,         fi_open,      fi_close,     fi_pwrite,
-                    fi_pread,  fi_preadv,    fi_fsync,     fi_fsize,
-                    fi_ftruncate, fi_rename, fi_unlink,    fi_fsync_dir,
-                    fi_writeback};
+    f->vt =
+        (ss_os){f,         fi_open,      fi_close,    fi_pwrite,    fi_pread,
+                fi_preadv, fi_fsync,     fi_fsize,    fi_ftruncate, fi_rename,
+                fi_unlink, fi_fsync_dir, fi_writeback};
     f->base = base != NULL ? base : ss_os_default();
     for (int i = 0; i < SS_OS_NOPS; i++)
         atomic_init(&f->calls[i], 0);
@@ -353,7 +356,10 @@ void ss_faults_free(ss_faults *f)
     free(f);
 }
 
-const ss_os *ss_faults_os(const ss_faults *f) { return &f->vt; }
+const ss_os *ss_faults_os(const ss_faults *f)
+{
+    return &f->vt;
+}
 
 static int add_arm(ss_faults *f, int op, int kind, uint64_t at, size_t value)
 {

@@ -10,8 +10,8 @@
  * the calls of each operation (atomically: batch I/O calls from many
  * threads) and, when armed, makes call number k (1-based) of an operation
  * fail with a chosen errno, transfer only m bytes (pwrite/pread/preadv),
- * or fail once with EINTR. Several arms may be set at once; each fires at most once
- * (call numbers are never reused until ss_faults_reset).
+ * or fail once with EINTR. Several arms may be set at once; each fires at most
+ * once (call numbers are never reused until ss_faults_reset).
  *
  * An injected failure of close still closes the descriptor (as Linux
  * close() does when it reports an error), so injected faults never leak.
@@ -37,8 +37,7 @@ struct ss_os {
     /* One pwrite(2)/pread(2): bytes transferred (may be short) or -errno. */
     int64_t (*pwrite)(const ss_os *os, int fd, const void *buf, size_t n,
                       int64_t off);
-    int64_t (*pread)(const ss_os *os, int fd, void *buf, size_t n,
-                     int64_t off);
+    int64_t (*pread)(const ss_os *os, int fd, void *buf, size_t n, int64_t off);
     /* One preadv(2) of iovcnt (<= SS_OS_MAX_IOV) buffers: bytes read (may
      * be short) or -errno. */
     int64_t (*preadv)(const ss_os *os, int fd, const struct iovec *iov,
@@ -59,25 +58,25 @@ struct ss_os {
 #define SS_OS_MAX_IOV 128
 
 /* The operations, for counting and arming faults. */
-#define SS_OS_OPS(X)                                                          \
-    X(SS_OS_OPEN, "open")                                                     \
-    X(SS_OS_CLOSE, "close")                                                   \
-    X(SS_OS_PWRITE, "pwrite")                                                 \
-    X(SS_OS_PREAD, "pread")                                                   \
-    X(SS_OS_PREADV, "preadv")                                                 \
-    X(SS_OS_FSYNC, "fsync")                                                   \
-    X(SS_OS_FSIZE, "fstat")                                                   \
-    X(SS_OS_FTRUNCATE, "ftruncate")                                           \
-    X(SS_OS_RENAME, "rename")                                                 \
-    X(SS_OS_UNLINK, "unlink")                                                 \
-    X(SS_OS_FSYNC_DIR, "fsync_dir")                                           \
+#define SS_OS_OPS(X)                                                           \
+    X(SS_OS_OPEN, "open")                                                      \
+    X(SS_OS_CLOSE, "close")                                                    \
+    X(SS_OS_PWRITE, "pwrite")                                                  \
+    X(SS_OS_PREAD, "pread")                                                    \
+    X(SS_OS_PREADV, "preadv")                                                  \
+    X(SS_OS_FSYNC, "fsync")                                                    \
+    X(SS_OS_FSIZE, "fstat")                                                    \
+    X(SS_OS_FTRUNCATE, "ftruncate")                                            \
+    X(SS_OS_RENAME, "rename")                                                  \
+    X(SS_OS_UNLINK, "unlink")                                                  \
+    X(SS_OS_FSYNC_DIR, "fsync_dir")                                            \
     X(SS_OS_WRITEBACK, "writeback")
 
 typedef enum {
 #define SS__OP_ENUM(name, str) name,
     SS_OS_OPS(SS__OP_ENUM)
 #undef SS__OP_ENUM
-    SS_OS_NOPS
+        SS_OS_NOPS
 } ss_os_op;
 
 /* Plain POSIX. Never NULL. */

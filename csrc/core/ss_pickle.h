@@ -34,9 +34,9 @@
 #include "ss_error.h"
 
 typedef struct ss_pickle_info {
-    int proto;        /* the leading PROTO's version, else 0 */
-    size_t opcodes;   /* opcodes up to and including STOP */
-    size_t end;       /* offset just past STOP */
+    int proto;      /* the leading PROTO's version, else 0 */
+    size_t opcodes; /* opcodes up to and including STOP */
+    size_t end;     /* offset just past STOP */
 } ss_pickle_info;
 
 /* 0 when the stream passes (info filled); else SS_EINVAL (an opcode outside

@@ -21,8 +21,8 @@ static Py_ssize_t typestr_itemsize(PyObject *t)
     return end != NULL && *end == '\0' && n > 0 && n <= 64 ? n : -1;
 }
 
-int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
-                     void **out, Py_ssize_t *out_len)
+int ss_py_cai_buffer(PyObject *item, const char *what, int writable, void **out,
+                     Py_ssize_t *out_len)
 {
     PyObject *cai = PyObject_GetAttrString(item, "__cuda_array_interface__");
     PyObject *shape, *typestr, *data, *strides, *mask;
@@ -35,8 +35,8 @@ int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError,
                          "%s is a CUDA buffer but %.200s has no "
-                         "__cuda_array_interface__ dict", what,
-                         Py_TYPE(item)->tp_name);
+                         "__cuda_array_interface__ dict",
+                         what, Py_TYPE(item)->tp_name);
         }
         goto out;
     }
@@ -49,8 +49,8 @@ int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
         (itemsize = typestr_itemsize(typestr)) < 0 || data == NULL ||
         !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 ||
         (mask != NULL && mask != Py_None)) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: malformed __cuda_array_interface__", what);
+        PyErr_Format(PyExc_ValueError, "%s: malformed __cuda_array_interface__",
+                     what);
         goto out;
     }
     n = PyTuple_GET_SIZE(shape);
@@ -60,7 +60,8 @@ int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError,
                              "%s: bad shape in "
-                             "__cuda_array_interface__", what);
+                             "__cuda_array_interface__",
+                             what);
             goto out;
         }
         nbytes *= k;
@@ -94,12 +95,12 @@ int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
     if (writable && readonly) {
         PyErr_Format(PyExc_BufferError,
                      "%s must be writable to read into it (its "
-                     "__cuda_array_interface__ is read-only)", what);
+                     "__cuda_array_interface__ is read-only)",
+                     what);
         goto out;
     }
     if (ptr == 0 && nbytes > 0) {
-        PyErr_Format(PyExc_ValueError, "%s has a NULL device pointer",
-                     what);
+        PyErr_Format(PyExc_ValueError, "%s has a NULL device pointer", what);
         goto out;
     }
     *out = (void *)(uintptr_t)ptr;
@@ -109,12 +110,12 @@ int ss_py_cai_buffer(PyObject *item, const char *what, int writable,
 not_contiguous:
     PyErr_Format(PyExc_BufferError,
                  "%s must be C-contiguous (its "
-                 "__cuda_array_interface__ has other strides)", what);
+                 "__cuda_array_interface__ has other strides)",
+                 what);
 out:
     Py_XDECREF(cai);
     return rc;
 }
-
 
 int ss_py_stream_arg(PyObject *obj, void **out)
 {

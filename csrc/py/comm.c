@@ -14,10 +14,11 @@ typedef struct {
     PyThread_type_lock lock;
 } NcclCommObject;
 
-static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args,
+                              PyObject *kwds)
 {
-    static char *kwlist[] = {"nranks", "rank", "unique_id", "device", "cudart",
-                             "nccl", NULL};
+    static char *kwlist[] = {"nranks", "rank", "unique_id", "device",
+                             "cudart", "nccl", NULL};
     ss_state *st = ss_state_from_type(type);
     int nranks = 0, rank = 0, device = 0, rc = 0;
     Py_buffer id = {0};
@@ -28,7 +29,8 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     ss_errinfo info;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiy*|iOO:NcclComm", kwlist,
-                                     &nranks, &rank, &id, &device, &cudart, &nccl))
+                                     &nranks, &rank, &id, &device, &cudart,
+                                     &nccl))
         return NULL;
     if (id.len != SS_NCCL_UNIQUE_ID_BYTES) {
         PyErr_Format(PyExc_ValueError, "unique_id must be %d bytes, got %zd",
@@ -38,7 +40,8 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (nranks < 1 || rank < 0 || rank >= nranks || device < 0) {
         PyErr_Format(PyExc_ValueError,
                      "NcclComm needs 0 <= rank < nranks and device >= 0, got "
-                     "rank %d of %d on device %d", rank, nranks, device);
+                     "rank %d of %d on device %d",
+                     rank, nranks, device);
         goto out;
     }
     if (ss_py_load_libs(st, "NcclComm", cudart, nccl, &cu, &nc) < 0)
@@ -54,8 +57,8 @@ static PyObject *NcclComm_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     }
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_comm_new(&self->comm, nc, cu, device, nranks, rank,
-                     (const unsigned char *)id.buf, &info);
+        rc = ss_comm_new(&self->comm, nc, cu, device, nranks, rank,
+                         (const unsigned char *)id.buf, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         Py_CLEAR(self);
@@ -73,7 +76,7 @@ static void NcclComm_dealloc(NcclCommObject *self)
     self->comm = NULL;
     if (c != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        ss_comm_free(c);
+            ss_comm_free(c);
         Py_END_ALLOW_THREADS
     }
     if (self->lock != NULL)
@@ -86,7 +89,7 @@ static int take(NcclCommObject *self)
 {
     if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+            PyThread_acquire_lock(self->lock, WAIT_LOCK);
         Py_END_ALLOW_THREADS
     }
     if (self->comm == NULL) {
@@ -114,14 +117,14 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
     ss_errinfo info;
 
     if ((op == OP_ALL_GATHER &&
-         !PyArg_ParseTupleAndKeywords(args, kwds, "OO|Op:all_gather", kw_ag, &send,
-                                      &recv, &stream_obj, &wait)) ||
+         !PyArg_ParseTupleAndKeywords(args, kwds, "OO|Op:all_gather", kw_ag,
+                                      &send, &recv, &stream_obj, &wait)) ||
         (op == OP_BROADCAST &&
-         !PyArg_ParseTupleAndKeywords(args, kwds, "Oi|Op:broadcast", kw_bc, &recv,
-                                      &root, &stream_obj, &wait)) ||
-        (op == OP_SCATTER &&
-         !PyArg_ParseTupleAndKeywords(args, kwds, "OOi|Op:scatter", kw_sc, &send,
+         !PyArg_ParseTupleAndKeywords(args, kwds, "Oi|Op:broadcast", kw_bc,
                                       &recv, &root, &stream_obj, &wait)) ||
+        (op == OP_SCATTER && !PyArg_ParseTupleAndKeywords(
+                                 args, kwds, "OOi|Op:scatter", kw_sc, &send,
+                                 &recv, &root, &stream_obj, &wait)) ||
         (op == OP_GATHER &&
          !PyArg_ParseTupleAndKeywords(args, kwds, "OOi|Op:gather", kw_ga, &send,
                                       &recv, &root, &stream_obj, &wait)))
@@ -130,47 +133,59 @@ static PyObject *collective(NcclCommObject *self, int op, PyObject *args,
         return NULL;
     nranks = ss_comm_nranks(self->comm);
     if ((recv != Py_None || op != OP_GATHER) &&
-        ss_py_cai_buffer(recv, op == OP_BROADCAST ? "buf" : "recv", 1, &rp, &rn) < 0)
+        ss_py_cai_buffer(recv, op == OP_BROADCAST ? "buf" : "recv", 1, &rp,
+                         &rn) < 0)
         goto fail;
     if (send != Py_None && ss_py_cai_buffer(send, "send", 0, &sp, &sn) < 0)
         goto fail;
-    if (op == OP_GATHER && (send == Py_None ||
-                            (ss_comm_rank(self->comm) == root &&
+    if (op == OP_GATHER &&
+        (send == Py_None || (ss_comm_rank(self->comm) == root &&
                              (recv == Py_None || rn != sn * nranks)))) {
-        PyErr_Format(PyExc_ValueError, "gather: send is required, and the root's "
-                     "recv must hold nranks (%d) x len(send) bytes", nranks);
+        PyErr_Format(PyExc_ValueError,
+                     "gather: send is required, and the root's "
+                     "recv must hold nranks (%d) x len(send) bytes",
+                     nranks);
         goto fail;
     }
     if (op == OP_ALL_GATHER && (send == Py_None || rn != sn * nranks)) {
-        PyErr_Format(PyExc_ValueError, "all_gather: recv must hold nranks (%d) x "
-                     "len(send) = %zd bytes, got %zd", nranks, sn * nranks, rn);
+        PyErr_Format(PyExc_ValueError,
+                     "all_gather: recv must hold nranks (%d) x "
+                     "len(send) = %zd bytes, got %zd",
+                     nranks, sn * nranks, rn);
         goto fail;
     }
     if (op == OP_SCATTER && ss_comm_rank(self->comm) == root &&
         (send == Py_None || sn != rn * nranks)) {
-        PyErr_Format(PyExc_ValueError, "scatter: the root's send must hold nranks "
-                     "(%d) x len(recv) = %zd bytes", nranks, rn * nranks);
+        PyErr_Format(PyExc_ValueError,
+                     "scatter: the root's send must hold nranks "
+                     "(%d) x len(recv) = %zd bytes",
+                     nranks, rn * nranks);
         goto fail;
     }
     if (op != OP_ALL_GATHER && (root < 0 || root >= nranks)) {
-        PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, nranks);
+        PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root,
+                     nranks);
         goto fail;
     }
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    switch (op) {
-    case OP_ALL_GATHER:
-        rc = ss_comm_all_gather(self->comm, sp, rp, (size_t)sn, stream, wait, &info);
-        break;
-    case OP_BROADCAST:
-        rc = ss_comm_broadcast(self->comm, rp, (size_t)rn, root, stream, wait, &info);
-        break;
-    case OP_SCATTER:
-        rc = ss_comm_scatter(self->comm, sp, rp, (size_t)rn, root, stream, wait, &info);
-        break;
-    default:
-        rc = ss_comm_gather(self->comm, sp, rp, (size_t)sn, root, stream, wait, &info);
-    }
+        switch (op) {
+        case OP_ALL_GATHER:
+            rc = ss_comm_all_gather(self->comm, sp, rp, (size_t)sn, stream,
+                                    wait, &info);
+            break;
+        case OP_BROADCAST:
+            rc = ss_comm_broadcast(self->comm, rp, (size_t)rn, root, stream,
+                                   wait, &info);
+            break;
+        case OP_SCATTER:
+            rc = ss_comm_scatter(self->comm, sp, rp, (size_t)rn, root, stream,
+                                 wait, &info);
+            break;
+        default:
+            rc = ss_comm_gather(self->comm, sp, rp, (size_t)sn, root, stream,
+                                wait, &info);
+        }
     Py_END_ALLOW_THREADS
     PyThread_release_lock(self->lock);
     if (rc < 0)
@@ -181,17 +196,20 @@ fail:
     return NULL;
 }
 
-static PyObject *NcclComm_all_gather(NcclCommObject *self, PyObject *a, PyObject *k)
+static PyObject *NcclComm_all_gather(NcclCommObject *self, PyObject *a,
+                                     PyObject *k)
 {
     return collective(self, OP_ALL_GATHER, a, k);
 }
 
-static PyObject *NcclComm_broadcast(NcclCommObject *self, PyObject *a, PyObject *k)
+static PyObject *NcclComm_broadcast(NcclCommObject *self, PyObject *a,
+                                    PyObject *k)
 {
     return collective(self, OP_BROADCAST, a, k);
 }
 
-static PyObject *NcclComm_scatter(NcclCommObject *self, PyObject *a, PyObject *k)
+static PyObject *NcclComm_scatter(NcclCommObject *self, PyObject *a,
+                                  PyObject *k)
 {
     return collective(self, OP_SCATTER, a, k);
 }
@@ -207,7 +225,7 @@ static PyObject *NcclComm_close(NcclCommObject *self, PyObject *unused)
     (void)unused;
     if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+            PyThread_acquire_lock(self->lock, WAIT_LOCK);
         Py_END_ALLOW_THREADS
     }
     c = self->comm;
@@ -215,7 +233,7 @@ static PyObject *NcclComm_close(NcclCommObject *self, PyObject *unused)
     PyThread_release_lock(self->lock);
     if (c != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        ss_comm_free(c);
+            ss_comm_free(c);
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
@@ -280,10 +298,12 @@ static PyMethodDef NcclComm_methods[] = {
 };
 
 static PyGetSetDef NcclComm_getset[] = {
-    {"nranks", (getter)NcclComm_get_nranks, NULL, "Ranks in the communicator.", NULL},
+    {"nranks", (getter)NcclComm_get_nranks, NULL, "Ranks in the communicator.",
+     NULL},
     {"rank", (getter)NcclComm_get_rank, NULL, "This rank.", NULL},
     {"device", (getter)NcclComm_get_device, NULL, "The CUDA device.", NULL},
-    {"closed", (getter)NcclComm_get_closed, NULL, "Whether close() was called.", NULL},
+    {"closed", (getter)NcclComm_get_closed, NULL, "Whether close() was called.",
+     NULL},
     {NULL},
 };
 
@@ -327,7 +347,7 @@ static PyObject *py_nccl_unique_id(PyObject *m, PyObject *args, PyObject *kwds)
         return NULL;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_comm_unique_id(nc, id, &info);
+        rc = ss_comm_unique_id(nc, id, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return ss_py_raise(st, rc, &info);
@@ -345,8 +365,8 @@ static PyMethodDef comm_functions[] = {
 
 int ss_py_comm_init(PyObject *m, ss_state *st)
 {
-    st->NcclComm_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &NcclComm_spec,
-                                                                 NULL);
+    st->NcclComm_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &NcclComm_spec, NULL);
     if (st->NcclComm_type == NULL || PyModule_AddType(m, st->NcclComm_type) < 0)
         return -1;
     return PyModule_AddFunctions(m, comm_functions);

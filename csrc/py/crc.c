@@ -33,7 +33,7 @@ static PyObject *crc_common(PyObject *args, PyObject *kwds, const char *fmt,
     crc = (uint32_t)value;
     if (view.len >= SS_CRC_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        crc = fn(crc, view.buf, (size_t)view.len);
+            crc = fn(crc, view.buf, (size_t)view.len);
         Py_END_ALLOW_THREADS
     } else {
         crc = fn(crc, view.buf, (size_t)view.len);
@@ -75,8 +75,7 @@ static PyObject *combine_common(PyObject *const *args, Py_ssize_t nargs,
     if (len2 == -1 && PyErr_Occurred())
         return NULL;
     if (len2 < 0)
-        return PyErr_Format(PyExc_ValueError, "%s(): len2 must be >= 0",
-                            name);
+        return PyErr_Format(PyExc_ValueError, "%s(): len2 must be >= 0", name);
     return PyLong_FromUnsignedLong(
         fn((uint32_t)a, (uint32_t)b, (uint64_t)len2));
 }

@@ -35,7 +35,8 @@ int ss_py_cands_from(PyObject *obj, const char *func, const char *argname,
     if (PyUnicode_Check(obj) || PyBytes_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
                      "%s(): %s must be None or a sequence of paths, "
-                     "not a single %s", func, argname, Py_TYPE(obj)->tp_name);
+                     "not a single %s",
+                     func, argname, Py_TYPE(obj)->tp_name);
         return -1;
     }
     seq = PySequence_Fast(obj, "candidates must be a sequence");
@@ -45,7 +46,8 @@ int ss_py_cands_from(PyObject *obj, const char *func, const char *argname,
     if (n == 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s(): %s is empty: give at least one library "
-                     "name or path, or None for the defaults", func, argname);
+                     "name or path, or None for the defaults",
+                     func, argname);
         goto out;
     }
     c->keep = PyList_New(n);
@@ -60,8 +62,8 @@ int ss_py_cands_from(PyObject *obj, const char *func, const char *argname,
             goto out;
         PyList_SET_ITEM(c->keep, i, b);
         if (PyBytes_GET_SIZE(b) == 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s(): %s[%zd] is an empty path", func, argname, i);
+            PyErr_Format(PyExc_ValueError, "%s(): %s[%zd] is an empty path",
+                         func, argname, i);
             goto out;
         }
         c->names[i] = PyBytes_AS_STRING(b);
@@ -91,9 +93,9 @@ int ss_py_load_libs(ss_state *st, const char *func, PyObject *cudart,
         goto out;
     }
     Py_BEGIN_ALLOW_THREADS
-    r = ss_cuda_load(cc.names, cc.n, cu, reason, SS_DL_REASON_MAX);
-    if (r == 0 && nc != NULL)
-        r = ss_nccl_load(nn.names, nn.n, nc, reason, SS_DL_REASON_MAX);
+        r = ss_cuda_load(cc.names, cc.n, cu, reason, SS_DL_REASON_MAX);
+        if (r == 0 && nc != NULL)
+            r = ss_nccl_load(nn.names, nn.n, nc, reason, SS_DL_REASON_MAX);
     Py_END_ALLOW_THREADS
     if (r < 0) {
         ss_errinfo info;
@@ -145,20 +147,22 @@ static PyObject *py_cuda_status(PyObject *m, PyObject *const *args,
         goto out;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc_cu = ss_cuda_probe(cu_c.names, cu_c.n, cs);
-    rc_nc = ss_nccl_probe(nc_c.names, nc_c.n, ns);
+        rc_cu = ss_cuda_probe(cu_c.names, cu_c.n, cs);
+        rc_nc = ss_nccl_probe(nc_c.names, nc_c.n, ns);
     Py_END_ALLOW_THREADS
     if (rc_cu < 0 && rc_cu != SS_ENOTAVAIL) {
         ss_errinfo info;
         ss_errinfo_clear(&info);
-        ss_errinfo_set(&info, rc_cu, "load libcudart", NULL, -1, "%s", cs->reason);
+        ss_errinfo_set(&info, rc_cu, "load libcudart", NULL, -1, "%s",
+                       cs->reason);
         ss_py_raise(st, rc_cu, &info);
         goto out;
     }
     if (rc_nc < 0 && rc_nc != SS_ENOTAVAIL) {
         ss_errinfo info;
         ss_errinfo_clear(&info);
-        ss_errinfo_set(&info, rc_nc, "load libnccl", NULL, -1, "%s", ns->reason);
+        ss_errinfo_set(&info, rc_nc, "load libnccl", NULL, -1, "%s",
+                       ns->reason);
         ss_py_raise(st, rc_nc, &info);
         goto out;
     }
@@ -169,16 +173,18 @@ static PyObject *py_cuda_status(PyObject *m, PyObject *const *args,
         "device_count", cs->device_count, "device_error", cs->device_error,
         "path",
         cs->path[0] ? PyUnicode_DecodeFSDefault(cs->path) : Py_NewRef(Py_None),
-        "reason", PyUnicode_DecodeUTF8(cs->reason, (Py_ssize_t)strlen(cs->reason),
-                                       "replace"));
+        "reason",
+        PyUnicode_DecodeUTF8(cs->reason, (Py_ssize_t)strlen(cs->reason),
+                             "replace"));
     if (cu_d == NULL)
         goto out;
     nc_d = status_dict(
         "{sNsisNsN}", "loaded", PyBool_FromLong(ns->loaded), "version",
         ns->version, "path",
         ns->path[0] ? PyUnicode_DecodeFSDefault(ns->path) : Py_NewRef(Py_None),
-        "reason", PyUnicode_DecodeUTF8(ns->reason, (Py_ssize_t)strlen(ns->reason),
-                                       "replace"));
+        "reason",
+        PyUnicode_DecodeUTF8(ns->reason, (Py_ssize_t)strlen(ns->reason),
+                             "replace"));
     if (nc_d == NULL)
         goto out;
     res = Py_BuildValue("{sOsO}", "cuda", cu_d, "nccl", nc_d);

@@ -46,13 +46,13 @@ static PyObject *where_text(const ss_errinfo *info)
     size_t n = 0;
 
     buf[0] = '\0';
-#define SS__ADD(...)                                                          \
-    do {                                                                      \
-        if (n < sizeof buf) {                                                 \
-            int k_ = snprintf(buf + n, sizeof buf - n, __VA_ARGS__);         \
-            if (k_ > 0)                                                       \
-                n += (size_t)k_;                                              \
-        }                                                                     \
+#define SS__ADD(...)                                                           \
+    do {                                                                       \
+        if (n < sizeof buf) {                                                  \
+            int k_ = snprintf(buf + n, sizeof buf - n, __VA_ARGS__);           \
+            if (k_ > 0)                                                        \
+                n += (size_t)k_;                                               \
+        }                                                                      \
     } while (0)
     if (info != NULL) {
         if (info->op != NULL)

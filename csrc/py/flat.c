@@ -66,8 +66,7 @@ static PyObject *FlatLayout_new(PyTypeObject *type, PyObject *args,
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        numels[i] = index_arg(PyTuple_GET_ITEM(seq, i), "a numel",
-                              &ok);
+        numels[i] = index_arg(PyTuple_GET_ITEM(seq, i), "a numel", &ok);
         if (!ok)
             goto out;
     }
@@ -114,11 +113,11 @@ static PyObject *int_tuple(const int64_t *v, size_t n)
     return t;
 }
 
-#define SS__GET_INT(name, fn)                                                 \
-    static PyObject *FlatLayout_get_##name(FlatLayoutObject *self, void *c)   \
-    {                                                                         \
-        (void)c;                                                              \
-        return PyLong_FromLongLong(fn(self->l));                              \
+#define SS__GET_INT(name, fn)                                                  \
+    static PyObject *FlatLayout_get_##name(FlatLayoutObject *self, void *c)    \
+    {                                                                          \
+        (void)c;                                                               \
+        return PyLong_FromLongLong(fn(self->l));                               \
     }
 SS__GET_INT(world_size, ss_flat_world_size)
 SS__GET_INT(align_numel, ss_flat_align_numel)
@@ -148,8 +147,7 @@ static PyObject *FlatLayout_get_numels_with_padding(FlatLayoutObject *self,
                      ss_flat_nsegments(self->l));
 }
 
-static PyObject *FlatLayout_get_is_padding_mask(FlatLayoutObject *self,
-                                                void *c)
+static PyObject *FlatLayout_get_is_padding_mask(FlatLayoutObject *self, void *c)
 {
     size_t n = ss_flat_nsegments(self->l);
     const unsigned char *m = ss_flat_segment_is_padding(self->l);
@@ -168,14 +166,12 @@ static PyObject *infos_tuple(const ss_flat_info *f, size_t n)
     for (size_t i = 0; t != NULL && i < n; i++) {
         PyObject *row;
         if (f[i].in_shard)
-            row = Py_BuildValue("(OLLLL)", Py_True,
-                                (long long)f[i].offset_in_shard,
-                                (long long)f[i].numel_in_shard,
-                                (long long)f[i].intra_start,
-                                (long long)f[i].intra_end);
+            row = Py_BuildValue(
+                "(OLLLL)", Py_True, (long long)f[i].offset_in_shard,
+                (long long)f[i].numel_in_shard, (long long)f[i].intra_start,
+                (long long)f[i].intra_end);
         else
-            row = PyTuple_Pack(5, Py_False, Py_None, Py_None, Py_None,
-                               Py_None);
+            row = PyTuple_Pack(5, Py_False, Py_None, Py_None, Py_None, Py_None);
         if (row == NULL) {
             Py_CLEAR(t);
             break;
@@ -223,15 +219,13 @@ static PyObject *infos_common(FlatLayoutObject *self, int ranged,
 }
 
 static PyObject *FlatLayout_shard_infos(FlatLayoutObject *self,
-                                        PyObject *const *args,
-                                        Py_ssize_t nargs)
+                                        PyObject *const *args, Py_ssize_t nargs)
 {
     return infos_common(self, 0, args, nargs);
 }
 
 static PyObject *FlatLayout_range_infos(FlatLayoutObject *self,
-                                        PyObject *const *args,
-                                        Py_ssize_t nargs)
+                                        PyObject *const *args, Py_ssize_t nargs)
 {
     return infos_common(self, 1, args, nargs);
 }
@@ -282,7 +276,7 @@ static PyMethodDef FlatLayout_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-#define SS__GS(name, doc)                                                     \
+#define SS__GS(name, doc)                                                      \
     {#name, (getter)FlatLayout_get_##name, NULL, doc, NULL}
 static PyGetSetDef FlatLayout_getset[] = {
     SS__GS(world_size, "Number of ranks."),
@@ -348,19 +342,21 @@ static Py_buffer *take_view(copy_args *a, PyObject *obj, int writable,
                             Py_ssize_t j, const char *what)
 {
     Py_buffer *v = &a->views[a->nviews];
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
-                (writable ? PyBUF_WRITABLE : 0);
+    int flags =
+        PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (!PyObject_CheckBuffer(obj)) {
         PyErr_Format(PyExc_TypeError,
                      "flat_copy: job %zd: %s must support the buffer "
-                     "protocol, not %.200s", j, what, Py_TYPE(obj)->tp_name);
+                     "protocol, not %.200s",
+                     j, what, Py_TYPE(obj)->tp_name);
         return NULL;
     }
     if (PyObject_GetBuffer(obj, v, flags) < 0) {
         PyErr_Clear(); /* exporters differ: BufferError, ValueError */
         PyErr_Format(PyExc_ValueError,
                      "flat_copy: job %zd: %s must be a C-contiguous%s "
-                     "buffer", j, what, writable ? ", writable" : "");
+                     "buffer",
+                     j, what, writable ? ", writable" : "");
         return NULL;
     }
     a->nviews++;
@@ -382,7 +378,8 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
         PyErr_Format(PyExc_TypeError,
                      "flat_copy: job %zd must be a (layout, rank, shard, "
-                     "pieces, pad) tuple", j);
+                     "pieces, pad) tuple",
+                     j);
         return -1;
     }
     if (!PyObject_TypeCheck(PyTuple_GET_ITEM(item, 0), st->FlatLayout_type)) {
@@ -401,20 +398,19 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
                      (long long)rank, (long long)ss_flat_world_size(l));
         return -1;
     }
-    if ((v = take_view(a, PyTuple_GET_ITEM(item, 2), !unflatten, j,
-                       "shard")) == NULL)
+    if ((v = take_view(a, PyTuple_GET_ITEM(item, 2), !unflatten, j, "shard")) ==
+        NULL)
         return -1;
     if (v->itemsize < 1 || v->itemsize > SS_FLAT_MAX_ITEMSIZE ||
         v->len != ss_flat_shard_numel(l) * v->itemsize) {
         PyErr_Format(PyExc_ValueError,
                      "flat_copy: job %zd: shard has %zd bytes of %zd-byte "
                      "items, the layout's shard is %lld elements",
-                     j, v->len, v->itemsize,
-                     (long long)ss_flat_shard_numel(l));
+                     j, v->len, v->itemsize, (long long)ss_flat_shard_numel(l));
         return -1;
     }
-    *job = (ss_flat_job){l, rank, (size_t)v->itemsize, v->buf, *next_piece,
-                         NULL};
+    *job =
+        (ss_flat_job){l, rank, (size_t)v->itemsize, v->buf, *next_piece, NULL};
     pseq = PySequence_Tuple(PyTuple_GET_ITEM(item, 3));
     if (pseq == NULL) {
         PyErr_Clear();
@@ -425,8 +421,8 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
     np = PyTuple_GET_SIZE(pseq);
     if ((size_t)np != ss_flat_nparams(l)) {
         PyErr_Format(PyExc_ValueError,
-                     "flat_copy: job %zd: %zd pieces for %zd parameters", j,
-                     np, (Py_ssize_t)ss_flat_nparams(l));
+                     "flat_copy: job %zd: %zd pieces for %zd parameters", j, np,
+                     (Py_ssize_t)ss_flat_nparams(l));
         goto out;
     }
     for (Py_ssize_t i = 0; i < np; i++) {
@@ -439,7 +435,8 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
         if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) {
             PyErr_Format(PyExc_TypeError,
                          "flat_copy: job %zd: piece %zd must be None or a "
-                         "(buffer, start) tuple", j, i);
+                         "(buffer, start) tuple",
+                         j, i);
             goto out;
         }
         if ((pv = take_view(a, PyTuple_GET_ITEM(p, 0), unflatten, j,
@@ -448,8 +445,8 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
         if (pv->itemsize != v->itemsize) {
             PyErr_Format(PyExc_ValueError,
                          "flat_copy: job %zd: piece %zd has %zd-byte items, "
-                         "the shard %zd-byte", j, i, pv->itemsize,
-                         v->itemsize);
+                         "the shard %zd-byte",
+                         j, i, pv->itemsize, v->itemsize);
             goto out;
         }
         pc->data = pv->buf;
@@ -461,21 +458,21 @@ static int get_job(ss_state *st, copy_args *a, PyObject *item, Py_ssize_t j,
             pc->numel > ss_flat_numels(l)[i] - pc->start) {
             PyErr_Format(PyExc_ValueError,
                          "flat_copy: job %zd: piece %zd holds elements "
-                         "[%lld, %lld) of a parameter of %lld", j, i,
-                         (long long)pc->start,
+                         "[%lld, %lld) of a parameter of %lld",
+                         j, i, (long long)pc->start,
                          (long long)pc->start + (long long)pc->numel,
                          (long long)ss_flat_numels(l)[i]);
             goto out;
         }
     }
     if (PyTuple_GET_ITEM(item, 4) != Py_None) {
-        if ((v = take_view(a, PyTuple_GET_ITEM(item, 4), 0, j, "pad")) ==
-            NULL)
+        if ((v = take_view(a, PyTuple_GET_ITEM(item, 4), 0, j, "pad")) == NULL)
             goto out;
         if ((size_t)v->len != job->itemsize) {
             PyErr_Format(PyExc_ValueError,
                          "flat_copy: job %zd: pad has %zd bytes, items are "
-                         "%zu", j, v->len, job->itemsize);
+                         "%zu",
+                         j, v->len, job->itemsize);
             goto out;
         }
         job->pad = v->buf;
@@ -526,13 +523,12 @@ static PyObject *py_flat_copy(PyObject *m, PyObject *const *args,
     }
     next = a.pieces;
     for (Py_ssize_t j = 0; j < a.njobs; j++)
-        if (get_job(st, &a, PyTuple_GET_ITEM(seq, j), j, unflatten,
-                    &next) < 0)
+        if (get_job(st, &a, PyTuple_GET_ITEM(seq, j), j, unflatten, &next) < 0)
             goto out;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = unflatten ? ss_flat_unflatten(pool, a.jobs, (size_t)a.njobs, &info)
-                   : ss_flat_flatten(pool, a.jobs, (size_t)a.njobs, &info);
+        rc = unflatten ? ss_flat_unflatten(pool, a.jobs, (size_t)a.njobs, &info)
+                       : ss_flat_flatten(pool, a.jobs, (size_t)a.njobs, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         ss_py_raise(st, rc, &info);
@@ -563,8 +559,8 @@ static PyMethodDef flat_methods[] = {
 
 int ss_py_flat_init(PyObject *m, ss_state *st)
 {
-    st->FlatLayout_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        m, &FlatLayout_spec, NULL);
+    st->FlatLayout_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &FlatLayout_spec, NULL);
     if (st->FlatLayout_type == NULL)
         return -1;
     if (PyModule_AddType(m, st->FlatLayout_type) < 0)

@@ -31,8 +31,8 @@ static PyArrayObject *as_int64(PyObject *obj, const char *fn)
         return NULL;
     if (!PyArray_ISINTEGER(a) && PyArray_SIZE(a) != 0) {
         PyErr_Format(PyExc_TypeError,
-                     "%s: offsets and sizes must be integers, got dtype %S",
-                     fn, (PyObject *)PyArray_DESCR(a));
+                     "%s: offsets and sizes must be integers, got dtype %S", fn,
+                     (PyObject *)PyArray_DESCR(a));
         goto out;
     }
     d = PyArray_DescrFromType(NPY_INT64);
@@ -48,9 +48,8 @@ out:
 
 /* Convert an (offsets, sizes) pair that must both have want_nd dims of the
  * same shape; last_dim >= 0 also fixes their last dimension. */
-static int box_arrays(PyObject *o, PyObject *s, int want_nd,
-                      npy_intp last_dim, const char *fn,
-                      PyArrayObject **ao, PyArrayObject **as)
+static int box_arrays(PyObject *o, PyObject *s, int want_nd, npy_intp last_dim,
+                      const char *fn, PyArrayObject **ao, PyArrayObject **as)
 {
     *as = NULL;
     *ao = as_int64(o, fn);
@@ -109,10 +108,10 @@ static PyObject *GeomIndex_new(PyTypeObject *type, PyObject *args,
         goto out;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_geom_index_new(&ix, (int)PyArray_DIM(ao, 1),
-                           (size_t)PyArray_DIM(ao, 0),
-                           (const int64_t *)PyArray_DATA(ao),
-                           (const int64_t *)PyArray_DATA(as), &info);
+        rc = ss_geom_index_new(&ix, (int)PyArray_DIM(ao, 1),
+                               (size_t)PyArray_DIM(ao, 0),
+                               (const int64_t *)PyArray_DATA(ao),
+                               (const int64_t *)PyArray_DATA(as), &info);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         ss_py_raise(ss_state_from_type(type), rc, &info);
@@ -164,8 +163,10 @@ static PyObject *query_common(GeomIndexObject *self, PyObject *const *args,
 
     ss_overlaps_init(&o);
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (offsets, "
-                     "sizes)", fn);
+        PyErr_Format(PyExc_TypeError,
+                     "%s() takes 2 arguments (offsets, "
+                     "sizes)",
+                     fn);
         goto out;
     }
     if (box_arrays(args[0], args[1], many ? 2 : 1, nd, fn, &ao, &as) < 0)
@@ -173,8 +174,8 @@ static PyObject *query_common(GeomIndexObject *self, PyObject *const *args,
     m = many ? (size_t)PyArray_DIM(ao, 0) : 1;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_geom_query_many(self->ix, m, (const int64_t *)PyArray_DATA(ao),
-                            (const int64_t *)PyArray_DATA(as), &o, &info);
+        rc = ss_geom_query_many(self->ix, m, (const int64_t *)PyArray_DATA(ao),
+                                (const int64_t *)PyArray_DATA(as), &o, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         ss_py_raise(ss_state_from_type(Py_TYPE(self)), rc, &info);
@@ -199,15 +200,14 @@ out:
     return ret;
 }
 
-static PyObject *GeomIndex_query(GeomIndexObject *self,
-                                 PyObject *const *args, Py_ssize_t nargs)
+static PyObject *GeomIndex_query(GeomIndexObject *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
 {
     return query_common(self, args, nargs, 0);
 }
 
 static PyObject *GeomIndex_query_many(GeomIndexObject *self,
-                                      PyObject *const *args,
-                                      Py_ssize_t nargs)
+                                      PyObject *const *args, Py_ssize_t nargs)
 {
     return query_common(self, args, nargs, 1);
 }
@@ -295,8 +295,7 @@ static int int64_vec(PyObject *obj, int n, const char *name, int64_t *out)
 
     if (seq == NULL) {
         PyErr_Format(PyExc_TypeError,
-                     "copy_region: %s must be a sequence of %d ints", name,
-                     n);
+                     "copy_region: %s must be a sequence of %d ints", name, n);
         goto out;
     }
     if (PySequence_Fast_GET_SIZE(seq) != n) {
@@ -420,7 +419,7 @@ static PyObject *py_copy_region(PyObject *m, PyObject *const *args,
     }
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_copy_nd(pool, dp, dstr, sp, sstr, len, nd, elsize, &info);
+        rc = ss_copy_nd(pool, dp, dstr, sp, sstr, len, nd, elsize, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return ss_py_raise(st, rc, &info);
@@ -428,8 +427,7 @@ static PyObject *py_copy_region(PyObject *m, PyObject *const *args,
 }
 
 static PyMethodDef geom_methods[] = {
-    {"copy_region", (PyCFunction)(void (*)(void))py_copy_region,
-     METH_FASTCALL,
+    {"copy_region", (PyCFunction)(void (*)(void))py_copy_region, METH_FASTCALL,
      "copy_region(dst, dst_offset, src, src_offset, lengths, pool=None)\n"
      "--\n\n"
      "dst[dst_offset:dst_offset+lengths] = src[src_offset:"
@@ -444,8 +442,8 @@ static PyMethodDef geom_methods[] = {
 
 int ss_py_geom_init(PyObject *m, ss_state *st)
 {
-    st->GeomIndex_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        m, &GeomIndex_spec, NULL);
+    st->GeomIndex_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &GeomIndex_spec, NULL);
     if (st->GeomIndex_type == NULL)
         return -1;
     if (PyModule_AddType(m, st->GeomIndex_type) < 0)

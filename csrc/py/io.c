@@ -111,7 +111,8 @@ static PyObject *FaultInjector_short(FaultInjectorObject *self, PyObject *args)
     if (op != SS_OS_PWRITE && op != SS_OS_PREAD)
         return PyErr_Format(PyExc_ValueError,
                             "short transfers apply to 'pwrite' and 'pread' "
-                            "only, not %R", PyTuple_GET_ITEM(args, 0));
+                            "only, not %R",
+                            PyTuple_GET_ITEM(args, 0));
     return arm_result(ss_faults_short(self->faults, op, at, (size_t)nbytes),
                       "short");
 }
@@ -208,7 +209,7 @@ static int faults_arg(ss_state *st, PyObject *obj, const ss_os **out)
 /* A batch's converted arguments; everything is released by args_release. */
 typedef struct {
     Py_ssize_t npaths, njobs, nviews;
-    PyObject **fspaths;   /* bytes from PyUnicode_FSConverter */
+    PyObject **fspaths; /* bytes from PyUnicode_FSConverter */
     const char **paths;
     int64_t *file_idx, *offsets;
     Py_buffer *views;  /* a CUDA job's holds its pointer and length only */
@@ -273,12 +274,12 @@ static int get_int64s(PyObject *obj, Py_ssize_t n, const char *what,
         const char *f = v.format != NULL ? v.format : "B";
         if (*f == '<' || *f == '=' || *f == '@')
             f++;
-        if (v.ndim == 1 && v.itemsize == 8 && (!strcmp(f, "q") ||
-                                               !strcmp(f, "l"))) {
+        if (v.ndim == 1 && v.itemsize == 8 &&
+            (!strcmp(f, "q") || !strcmp(f, "l"))) {
             if (v.len / 8 != n)
                 PyErr_Format(PyExc_ValueError,
-                             "%s has %zd entries for %zd jobs", what,
-                             v.len / 8, n);
+                             "%s has %zd entries for %zd jobs", what, v.len / 8,
+                             n);
             else
                 memcpy(*out, v.buf, (size_t)n * 8);
             PyBuffer_Release(&v);
@@ -291,7 +292,8 @@ static int get_int64s(PyObject *obj, Py_ssize_t n, const char *what,
     if (seq == NULL) {
         PyErr_Format(PyExc_TypeError,
                      "%s must be a sequence of ints or a 1-D int64 array, "
-                     "not %.200s", what, Py_TYPE(obj)->tp_name);
+                     "not %.200s",
+                     what, Py_TYPE(obj)->tp_name);
         return -1;
     }
     if (PySequence_Fast_GET_SIZE(seq) != n) {
@@ -365,7 +367,8 @@ static int get_views(PyObject *obj, int writable, const char *cuda,
             PyErr_Format(PyExc_TypeError,
                          "buffers[%zd] must support the buffer protocol "
                          "(bytes, bytearray, memoryview, numpy array), "
-                         "not %.200s", i, Py_TYPE(item)->tp_name);
+                         "not %.200s",
+                         i, Py_TYPE(item)->tp_name);
             goto out;
         }
         if (PyObject_GetBuffer(item, v, flags) < 0) {
@@ -374,15 +377,16 @@ static int get_views(PyObject *obj, int writable, const char *cuda,
             PyErr_Clear(); /* exporters differ: BufferError, ValueError */
             PyErr_Format(PyExc_BufferError,
                          "buffers[%zd] must be writable to read into it "
-                         "(got a read-only %.200s)", i,
-                         Py_TYPE(item)->tp_name);
+                         "(got a read-only %.200s)",
+                         i, Py_TYPE(item)->tp_name);
             goto out;
         }
         a->nviews++;
         if (!PyBuffer_IsContiguous(v, 'C')) {
             PyErr_Format(PyExc_BufferError,
                          "buffers[%zd] must be C-contiguous (got a strided "
-                         "%.200s)", i, Py_TYPE(item)->tp_name);
+                         "%.200s)",
+                         i, Py_TYPE(item)->tp_name);
             goto out;
         }
     }
@@ -396,7 +400,8 @@ out:
 static int get_batch(PyObject *const *args, int writable, const char *cuda,
                      batch_args *a)
 {
-    if (get_paths(args[0], a) < 0 || get_views(args[3], writable, cuda, a) < 0 ||
+    if (get_paths(args[0], a) < 0 ||
+        get_views(args[3], writable, cuda, a) < 0 ||
         get_int64s(args[1], a->njobs, "file_idx", &a->file_idx) < 0 ||
         get_int64s(args[2], a->njobs, "offsets", &a->offsets) < 0)
         return -1;
@@ -404,12 +409,13 @@ static int get_batch(PyObject *const *args, int writable, const char *cuda,
         if (a->file_idx[j] < 0 || a->file_idx[j] >= a->npaths) {
             PyErr_Format(PyExc_IndexError,
                          "file_idx[%zd] = %lld is not a valid index into %zd "
-                         "paths", j, (long long)a->file_idx[j], a->npaths);
+                         "paths",
+                         j, (long long)a->file_idx[j], a->npaths);
             return -1;
         }
         if (a->offsets[j] < 0) {
-            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld is negative",
-                         j, (long long)a->offsets[j]);
+            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld is negative", j,
+                         (long long)a->offsets[j]);
             return -1;
         }
     }
@@ -433,8 +439,10 @@ static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
 {
     if (nargs == want)
         return 0;
-    PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd "
-                 "given)", name, want, nargs);
+    PyErr_Format(PyExc_TypeError,
+                 "%s() takes %zd positional arguments (%zd "
+                 "given)",
+                 name, want, nargs);
     return -1;
 }
 
@@ -538,8 +546,8 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
         jobs[j] = (ss_io_wjob){a.views[j].buf, (uint64_t)a.views[j].len,
                                (uint32_t)a.file_idx[j], a.offsets[j], dev[j]};
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_io_write(os, pool, a.paths, (size_t)a.npaths, jobs,
-                     (size_t)a.njobs, &o, crcs, &info);
+        rc = ss_io_write(os, pool, a.paths, (size_t)a.npaths, jobs,
+                         (size_t)a.njobs, &o, crcs, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         ss_py_raise(st, rc, &info);
@@ -584,8 +592,12 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
         goto out;
     }
     for (Py_ssize_t j = 0; j < a.njobs; j++)
-        jobs[j] = (ss_io_rjob){a.views[j].buf, (uint64_t)a.views[j].len,
-                               (uint32_t)a.file_idx[j], a.offsets[j], 0, 0,
+        jobs[j] = (ss_io_rjob){a.views[j].buf,
+                               (uint64_t)a.views[j].len,
+                               (uint32_t)a.file_idx[j],
+                               a.offsets[j],
+                               0,
+                               0,
                                dev[j]};
     if (args[4] != Py_None) { /* expected CRCs: ints, or None to skip one */
         expected = PySequence_Fast(args[4], "crcs must be a sequence or None");
@@ -617,8 +629,8 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_io_read(os, pool, a.paths, (size_t)a.npaths, jobs, (size_t)a.njobs,
-                    &o, crcs, &info);
+        rc = ss_io_read(os, pool, a.paths, (size_t)a.npaths, jobs,
+                        (size_t)a.njobs, &o, crcs, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         ss_py_raise(st, rc, &info);
@@ -652,8 +664,8 @@ static PyObject *py_publish(PyObject *m, PyObject *const *args,
         faults_arg(st, args[3], &os) < 0)
         goto out;
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_io_publish(os, PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
-                       durable, &info);
+        rc = ss_io_publish(os, PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                           durable, &info);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         ss_py_raise(st, rc, &info);
@@ -681,18 +693,18 @@ static PyObject *raw_common(PyObject *m, PyObject *const *args,
     if (check_nargs(name, nargs, 3) < 0 ||
         !PyUnicode_FSConverter(args[0], &path))
         return NULL;
-    if (PyObject_GetBuffer(args[1], &v, writing ? PyBUF_C_CONTIGUOUS
-                                                : PyBUF_C_CONTIGUOUS |
-                                                      PyBUF_WRITABLE) < 0 ||
+    if (PyObject_GetBuffer(args[1], &v,
+                           writing ? PyBUF_C_CONTIGUOUS
+                                   : PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
         piece_arg(args[2], &piece) < 0)
         goto out;
     Py_BEGIN_ALLOW_THREADS
-    if (writing)
-        rc = ss_io_raw_pwrite(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
-                              piece);
-    else
-        rc = ss_io_raw_pread(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
-                             piece);
+        if (writing)
+            rc = ss_io_raw_pwrite(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                                  piece);
+        else
+            rc = ss_io_raw_pread(PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
+                                 piece);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         ss_errinfo_clear(&info);
@@ -755,8 +767,8 @@ static PyMethodDef io_methods[] = {
 
 int ss_py_io_init(PyObject *m, ss_state *st)
 {
-    st->FaultInjector_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        m, &FaultInjector_spec, NULL);
+    st->FaultInjector_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &FaultInjector_spec, NULL);
     if (st->FaultInjector_type == NULL ||
         PyModule_AddType(m, st->FaultInjector_type) < 0)
         return -1;

@@ -61,7 +61,8 @@ static PyModuleDef_Slot ss_slots[] = {
 PyModuleDef ss_module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "shardstate._core",
-    .m_doc = "shardstate's C core: checksums, parallel file I/O, chunk geometry, FSDP flat parameters.",
+    .m_doc = "shardstate's C core: checksums, parallel file I/O, chunk "
+             "geometry, FSDP flat parameters.",
     .m_size = sizeof(ss_state),
     .m_slots = ss_slots,
     .m_traverse = ss_traverse,

@@ -59,8 +59,8 @@ int ss_py_stage_arg(ss_state *st, PyObject *obj, struct ss_stage **out,
  * writable, if asked), its pointer and length in bytes; what names it in
  * errors ("buffers[3]"). 0, or -1 with TypeError / ValueError /
  * BufferError set. */
-int ss_py_cai_buffer(PyObject *obj, const char *what, int writable,
-                     void **ptr, Py_ssize_t *len);
+int ss_py_cai_buffer(PyObject *obj, const char *what, int writable, void **ptr,
+                     Py_ssize_t *len);
 
 /* A CUDA stream: None (the default stream, NULL) or an int handle such as
  * torch.cuda.current_stream().cuda_stream. 0, or -1 with an error set. */

@@ -20,7 +20,7 @@ static PyObject *py_pickle_scan(PyObject *m, PyObject *arg)
     ss_errinfo_clear(&err);
     if (view.len >= SS_SCAN_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        rc = ss_pickle_scan(view.buf, (size_t)view.len, &info, &err);
+            rc = ss_pickle_scan(view.buf, (size_t)view.len, &info, &err);
         Py_END_ALLOW_THREADS
     } else {
         rc = ss_pickle_scan(view.buf, (size_t)view.len, &info, &err);

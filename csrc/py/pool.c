@@ -23,7 +23,7 @@ static PyObject *ThreadPool_new(PyTypeObject *type, PyObject *args,
                             "threads must be in [0, %d], got %d",
                             SS_POOL_MAX_THREADS, nthreads);
     Py_BEGIN_ALLOW_THREADS
-    rc = ss_pool_new(&pool, nthreads);
+        rc = ss_pool_new(&pool, nthreads);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         ss_errinfo info;
@@ -47,7 +47,7 @@ static void ThreadPool_dealloc(ThreadPoolObject *self)
     self->pool = NULL;
     if (pool != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        ss_pool_free(pool);
+            ss_pool_free(pool);
         Py_END_ALLOW_THREADS
     }
     tp->tp_free((PyObject *)self);
@@ -98,7 +98,8 @@ int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out)
         return 0;
     }
     if (!PyObject_TypeCheck(obj, st->ThreadPool_type)) {
-        PyErr_Format(PyExc_TypeError, "expected a ThreadPool or None, got %.200s",
+        PyErr_Format(PyExc_TypeError,
+                     "expected a ThreadPool or None, got %.200s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
@@ -108,8 +109,8 @@ int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out)
 
 int ss_py_pool_init(PyObject *m, ss_state *st)
 {
-    st->ThreadPool_type = (PyTypeObject *)PyType_FromModuleAndSpec(
-        m, &ThreadPool_spec, NULL);
+    st->ThreadPool_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &ThreadPool_spec, NULL);
     if (st->ThreadPool_type == NULL)
         return -1;
     return PyModule_AddType(m, st->ThreadPool_type);

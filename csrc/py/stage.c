@@ -25,8 +25,8 @@ typedef struct {
 
 static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"backend", "buffers", "buffer_size", "device",
-                             "candidates", NULL};
+    static char *kwlist[] = {"backend", "buffers",    "buffer_size",
+                             "device",  "candidates", NULL};
     ss_state *st = ss_state_from_type(type);
     const char *backend = NULL;
     Py_ssize_t nbufs = 0, bufsize = 0;
@@ -48,7 +48,8 @@ static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (nbufs < 1 || nbufs > 4096 || bufsize < 4096)
         return PyErr_Format(PyExc_ValueError,
                             "Stage needs 1 to 4096 buffers of at least 4096 "
-                            "bytes, got %zd of %zd", nbufs, bufsize);
+                            "bytes, got %zd of %zd",
+                            nbufs, bufsize);
     if (device < 0)
         return PyErr_Format(PyExc_ValueError, "device must be >= 0, got %d",
                             device);
@@ -61,17 +62,17 @@ static PyObject *Stage_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->device = device;
     ss_errinfo_clear(&info);
     Py_BEGIN_ALLOW_THREADS
-    if (cuda) {
-        rc = ss_devcuda_new(&self->cuda, cu, device, &info);
-        if (rc == 0)
-            rc = ss_stage_new(&self->stage, ss_devcuda_dev(self->cuda),
-                              (size_t)nbufs, (size_t)bufsize);
-    } else {
-        rc = ss_devhost_new(&self->host);
-        if (rc == 0)
-            rc = ss_stage_new(&self->stage, ss_devhost_dev(self->host),
-                              (size_t)nbufs, (size_t)bufsize);
-    }
+        if (cuda) {
+            rc = ss_devcuda_new(&self->cuda, cu, device, &info);
+            if (rc == 0)
+                rc = ss_stage_new(&self->stage, ss_devcuda_dev(self->cuda),
+                                  (size_t)nbufs, (size_t)bufsize);
+        } else {
+            rc = ss_devhost_new(&self->host);
+            if (rc == 0)
+                rc = ss_stage_new(&self->stage, ss_devhost_dev(self->host),
+                                  (size_t)nbufs, (size_t)bufsize);
+        }
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         if (info.code == 0) /* else ss_devcuda_new described it */
@@ -92,9 +93,9 @@ static void Stage_dealloc(StageObject *self)
     self->host = NULL;
     self->cuda = NULL;
     Py_BEGIN_ALLOW_THREADS
-    ss_stage_free(stage); /* drains and frees the copy stream */
-    ss_devhost_free(host);
-    ss_devcuda_free(cuda);
+        ss_stage_free(stage); /* drains and frees the copy stream */
+        ss_devhost_free(host);
+        ss_devcuda_free(cuda);
     Py_END_ALLOW_THREADS
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -134,15 +135,15 @@ static PyObject *Stage_get_copies(StageObject *self, void *c)
 static PyObject *Stage_repr(StageObject *self)
 {
     return PyUnicode_FromFormat("<shardstate Stage backend=%s buffers=%zu "
-                                "buffer_size=%zu>", self->backend,
-                                ss_stage_nbufs(self->stage),
+                                "buffer_size=%zu>",
+                                self->backend, ss_stage_nbufs(self->stage),
                                 ss_stage_bufsize(self->stage));
 }
 
 static PyGetSetDef Stage_getset[] = {
     {"backend", (getter)Stage_get_backend, NULL, "The copy backend.", NULL},
-    {"buffers", (getter)Stage_get_buffers, NULL,
-     "Number of staging buffers.", NULL},
+    {"buffers", (getter)Stage_get_buffers, NULL, "Number of staging buffers.",
+     NULL},
     {"buffer_size", (getter)Stage_get_buffer_size, NULL,
      "Bytes per staging buffer (device pieces are cut to it).", NULL},
     {"device", (getter)Stage_get_device, NULL,
@@ -194,8 +195,8 @@ int ss_py_stage_arg(ss_state *st, PyObject *obj, ss_stage **out, int *cuda)
 
 int ss_py_stage_init(PyObject *m, ss_state *st)
 {
-    st->Stage_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Stage_spec,
-                                                              NULL);
+    st->Stage_type =
+        (PyTypeObject *)PyType_FromModuleAndSpec(m, &Stage_spec, NULL);
     if (st->Stage_type == NULL)
         return -1;
     return PyModule_AddType(m, st->Stage_type);

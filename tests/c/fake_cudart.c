@@ -29,8 +29,16 @@ static int current_device;
 static long copies, fail_at, kinds[3], waits; /* see fake_cuda_* below */
 static int fail_code;
 
-API int cudaRuntimeGetVersion(int *v) { *v = FAKE_RUNTIME_VERSION; return 0; }
-API int cudaDriverGetVersion(int *v) { *v = FAKE_DRIVER_VERSION; return 0; }
+API int cudaRuntimeGetVersion(int *v)
+{
+    *v = FAKE_RUNTIME_VERSION;
+    return 0;
+}
+API int cudaDriverGetVersion(int *v)
+{
+    *v = FAKE_DRIVER_VERSION;
+    return 0;
+}
 
 API int cudaGetDeviceCount(int *n)
 {
@@ -41,7 +49,11 @@ API int cudaGetDeviceCount(int *n)
     return 0;
 }
 
-API int cudaGetDevice(int *d) { *d = current_device; return 0; }
+API int cudaGetDevice(int *d)
+{
+    *d = current_device;
+    return 0;
+}
 
 API int cudaSetDevice(int d)
 {
@@ -54,12 +66,18 @@ API int cudaSetDevice(int d)
 API const char *cudaGetErrorString(int e)
 {
     switch (e) {
-    case 0: return "no error";
-    case 35: return "CUDA driver version is insufficient for CUDA runtime version";
-    case 100: return "no CUDA-capable device is detected";
-    case 101: return "invalid device ordinal";
-    case 700: return "an illegal memory access was encountered";
-    default: return "unrecognized error code";
+    case 0:
+        return "no error";
+    case 35:
+        return "CUDA driver version is insufficient for CUDA runtime version";
+    case 100:
+        return "no CUDA-capable device is detected";
+    case 101:
+        return "invalid device ordinal";
+    case 700:
+        return "an illegal memory access was encountered";
+    default:
+        return "unrecognized error code";
     }
 }
 
@@ -69,28 +87,94 @@ API int cudaHostAlloc(void **p, size_t n, unsigned flags)
     *p = malloc(n ? n : 1);
     return *p ? 0 : 2; /* cudaErrorMemoryAllocation */
 }
-API int cudaFreeHost(void *p) { free(p); return 0; }
-API int cudaHostRegister(void *p, size_t n, unsigned f) { (void)p; (void)n; (void)f; return 0; }
-API int cudaHostUnregister(void *p) { (void)p; return 0; }
+API int cudaFreeHost(void *p)
+{
+    free(p);
+    return 0;
+}
+API int cudaHostRegister(void *p, size_t n, unsigned f)
+{
+    (void)p;
+    (void)n;
+    (void)f;
+    return 0;
+}
+API int cudaHostUnregister(void *p)
+{
+    (void)p;
+    return 0;
+}
 
 static int fake_handle;
-API int cudaStreamCreateWithFlags(void **s, unsigned f) { (void)f; *s = &fake_handle; return 0; }
-API int cudaStreamDestroy(void *s) { (void)s; return 0; }
-API int cudaStreamSynchronize(void *s) { (void)s; return 0; }
-API int cudaStreamWaitEvent(void *s, void *e, unsigned f) { (void)s; (void)e; (void)f; waits++; return 0; }
-API int cudaEventCreateWithFlags(void **e, unsigned f) { (void)f; *e = &fake_handle; return 0; }
-API int cudaEventRecord(void *e, void *s) { (void)e; (void)s; return 0; }
-API int cudaEventSynchronize(void *e) { (void)e; return 0; }
+API int cudaStreamCreateWithFlags(void **s, unsigned f)
+{
+    (void)f;
+    *s = &fake_handle;
+    return 0;
+}
+API int cudaStreamDestroy(void *s)
+{
+    (void)s;
+    return 0;
+}
+API int cudaStreamSynchronize(void *s)
+{
+    (void)s;
+    return 0;
+}
+API int cudaStreamWaitEvent(void *s, void *e, unsigned f)
+{
+    (void)s;
+    (void)e;
+    (void)f;
+    waits++;
+    return 0;
+}
+API int cudaEventCreateWithFlags(void **e, unsigned f)
+{
+    (void)f;
+    *e = &fake_handle;
+    return 0;
+}
+API int cudaEventRecord(void *e, void *s)
+{
+    (void)e;
+    (void)s;
+    return 0;
+}
+API int cudaEventSynchronize(void *e)
+{
+    (void)e;
+    return 0;
+}
 #ifndef FAKE_OMIT_EVENT_QUERY
-API int cudaEventQuery(void *e) { (void)e; return 0; }
+API int cudaEventQuery(void *e)
+{
+    (void)e;
+    return 0;
+}
 #endif
-API int cudaEventDestroy(void *e) { (void)e; return 0; }
+API int cudaEventDestroy(void *e)
+{
+    (void)e;
+    return 0;
+}
 
 /* Test knobs and counters for the staging backend's tests (test_devcuda),
  * found with dlsym on the loaded library. */
-API void fake_cuda_fail_copy_at(long k, int code) { fail_at = k ? copies + k : 0; fail_code = code; }
-API long fake_cuda_copies(int kind) { return kind < 0 ? copies : kinds[kind % 3]; }
-API long fake_cuda_waits(void) { return waits; }
+API void fake_cuda_fail_copy_at(long k, int code)
+{
+    fail_at = k ? copies + k : 0;
+    fail_code = code;
+}
+API long fake_cuda_copies(int kind)
+{
+    return kind < 0 ? copies : kinds[kind % 3];
+}
+API long fake_cuda_waits(void)
+{
+    return waits;
+}
 
 API int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *s)
 {

@@ -12,11 +12,21 @@
 
 #define API __attribute__((visibility("default")))
 
-typedef struct { char internal[128]; } fake_id;
+typedef struct {
+    char internal[128];
+} fake_id;
 static int fake_comm;
 
-API int ncclGetVersion(int *v) { *v = FAKE_NCCL_VERSION; return 0; }
-API int ncclGetUniqueId(fake_id *id) { memset(id, 0x5a, sizeof *id); return 0; }
+API int ncclGetVersion(int *v)
+{
+    *v = FAKE_NCCL_VERSION;
+    return 0;
+}
+API int ncclGetUniqueId(fake_id *id)
+{
+    memset(id, 0x5a, sizeof *id);
+    return 0;
+}
 
 API int ncclCommInitRank(void **comm, int nranks, fake_id id, int rank)
 {
@@ -27,9 +37,22 @@ API int ncclCommInitRank(void **comm, int nranks, fake_id id, int rank)
     return 0;
 }
 
-API int ncclCommDestroy(void *c) { (void)c; return 0; }
-API int ncclCommAbort(void *c) { (void)c; return 0; }
-API int ncclCommGetAsyncError(void *c, int *e) { (void)c; *e = 0; return 0; }
+API int ncclCommDestroy(void *c)
+{
+    (void)c;
+    return 0;
+}
+API int ncclCommAbort(void *c)
+{
+    (void)c;
+    return 0;
+}
+API int ncclCommGetAsyncError(void *c, int *e)
+{
+    (void)c;
+    *e = 0;
+    return 0;
+}
 
 API const char *ncclGetErrorString(int r)
 {
@@ -42,38 +65,62 @@ static size_t type_size(int t)
     return t >= 0 && t < 10 ? sz[t] : 1;
 }
 
-API int ncclAllGather(const void *s, void *r, size_t n, int t, void *c, void *st)
+API int ncclAllGather(const void *s, void *r, size_t n, int t, void *c,
+                      void *st)
 {
-    (void)c; (void)st;
+    (void)c;
+    (void)st;
     memmove(r, s, n * type_size(t));
     return 0;
 }
 
-API int ncclBroadcast(const void *s, void *r, size_t n, int t, int root, void *c, void *st)
+API int ncclBroadcast(const void *s, void *r, size_t n, int t, int root,
+                      void *c, void *st)
 {
-    (void)root; (void)c; (void)st;
+    (void)root;
+    (void)c;
+    (void)st;
     memmove(r, s, n * type_size(t));
     return 0;
 }
 
-API int ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, void *c, void *st)
+API int ncclReduceScatter(const void *s, void *r, size_t n, int t, int op,
+                          void *c, void *st)
 {
-    (void)op; (void)c; (void)st;
+    (void)op;
+    (void)c;
+    (void)st;
     memmove(r, s, n * type_size(t));
     return 0;
 }
 
-API int ncclGroupStart(void) { return 0; }
-API int ncclGroupEnd(void) { return 0; }
+API int ncclGroupStart(void)
+{
+    return 0;
+}
+API int ncclGroupEnd(void)
+{
+    return 0;
+}
 #ifndef FAKE_OMIT_SEND
 API int ncclSend(const void *s, size_t n, int t, int peer, void *c, void *st)
 {
-    (void)s; (void)n; (void)t; (void)peer; (void)c; (void)st;
+    (void)s;
+    (void)n;
+    (void)t;
+    (void)peer;
+    (void)c;
+    (void)st;
     return 0;
 }
 #endif
 API int ncclRecv(void *r, size_t n, int t, int peer, void *c, void *st)
 {
-    (void)r; (void)n; (void)t; (void)peer; (void)c; (void)st;
+    (void)r;
+    (void)n;
+    (void)t;
+    (void)peer;
+    (void)c;
+    (void)st;
     return 0;
 }

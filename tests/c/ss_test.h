@@ -14,35 +14,36 @@
 
 static int ss_t_passed, ss_t_failed, ss_t_cur_failed;
 
-#define CHECK(cond)                                                           \
-    do {                                                                      \
-        if (!(cond)) {                                                        \
-            fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__,         \
-                    __LINE__, #cond);                                         \
-            ss_t_cur_failed = 1;                                              \
-        }                                                                     \
+#define CHECK(cond)                                                            \
+    do {                                                                       \
+        if (!(cond)) {                                                         \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, \
+                    #cond);                                                    \
+            ss_t_cur_failed = 1;                                               \
+        }                                                                      \
     } while (0)
 
-#define CHECK_EQ_INT(a, b)                                                    \
-    do {                                                                      \
-        long long a_ = (long long)(a), b_ = (long long)(b);                   \
-        if (a_ != b_) {                                                       \
-            fprintf(stderr, "  %s:%d: CHECK failed: %s == %s (%lld vs %lld)\n",\
-                    __FILE__, __LINE__, #a, #b, a_, b_);                      \
-            ss_t_cur_failed = 1;                                              \
-        }                                                                     \
+#define CHECK_EQ_INT(a, b)                                                     \
+    do {                                                                       \
+        long long a_ = (long long)(a), b_ = (long long)(b);                    \
+        if (a_ != b_) {                                                        \
+            fprintf(stderr,                                                    \
+                    "  %s:%d: CHECK failed: %s == %s (%lld vs %lld)\n",        \
+                    __FILE__, __LINE__, #a, #b, a_, b_);                       \
+            ss_t_cur_failed = 1;                                               \
+        }                                                                      \
     } while (0)
 
-#define RUN(fn)                                                               \
-    do {                                                                      \
-        ss_t_cur_failed = 0;                                                  \
-        fn();                                                                 \
-        if (ss_t_cur_failed) {                                                \
-            ss_t_failed++;                                                    \
-            fprintf(stderr, "FAIL %s\n", #fn);                                \
-        } else {                                                              \
-            ss_t_passed++;                                                    \
-        }                                                                     \
+#define RUN(fn)                                                                \
+    do {                                                                       \
+        ss_t_cur_failed = 0;                                                   \
+        fn();                                                                  \
+        if (ss_t_cur_failed) {                                                 \
+            ss_t_failed++;                                                     \
+            fprintf(stderr, "FAIL %s\n", #fn);                                 \
+        } else {                                                               \
+            ss_t_passed++;                                                     \
+        }                                                                      \
     } while (0)
 
 /* A seeded xorshift64* generator for randomized cases: set ss_t_rng to

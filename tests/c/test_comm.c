@@ -85,7 +85,8 @@ static void test_refused(void)
     /* the fake NCCL makes one-rank communicators only */
     CHECK_EQ_INT(ss_comm_new(&c, nc, cu, 0, 2, 1, id, &e), SS_EDEVICE);
     CHECK(c == NULL);
-    CHECK(strstr(e.detail, "ncclCommInitRank: invalid argument (NCCL error 4)") != NULL);
+    CHECK(strstr(e.detail,
+                 "ncclCommInitRank: invalid argument (NCCL error 4)") != NULL);
     ss_errinfo_clear(&e);
     CHECK_EQ_INT(ss_comm_new(&c, nc, cu, 7, 1, 0, id, &e), SS_EDEVICE);
     CHECK(strstr(e.detail, "cudaSetDevice: invalid device ordinal") != NULL);

@@ -39,9 +39,10 @@ static void test_small_sizes(void)
 static void test_streaming_sizes(void)
 {
     /* Around the threshold, whole and partial 4-page walks, odd tails. */
-    size_t base[] = {SS_COPY_STREAM_MIN - 1, SS_COPY_STREAM_MIN, SS_COPY_STREAM_MIN + 1,
-                     SS_COPY_STREAM_MIN + 16384 + 4096 + 63, (size_t)3 << 20,
-                     ((size_t)5 << 20) + 12345};
+    size_t base[] = {
+        SS_COPY_STREAM_MIN - 1, SS_COPY_STREAM_MIN,
+        SS_COPY_STREAM_MIN + 1, SS_COPY_STREAM_MIN + 16384 + 4096 + 63,
+        (size_t)3 << 20,        ((size_t)5 << 20) + 12345};
     for (size_t k = 0; k < sizeof base / sizeof *base; k++)
         for (size_t doff = 0; doff < 64; doff += 7)
             check_copy(base[k], doff, (doff * 5) % 64);

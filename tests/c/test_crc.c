@@ -90,18 +90,16 @@ static size_t impls(impl *out)
         (impl){"crc32c portable", ss__crc32c_portable, SS__CRC32C_POLY, 1};
 #if defined(SS__CRC_X86)
     __builtin_cpu_init();
-    int pcl = __builtin_cpu_supports("pclmul") &&
-              __builtin_cpu_supports("sse4.1");
+    int pcl =
+        __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
     int vpcl = pcl && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("vpclmulqdq");
     int sse42 = __builtin_cpu_supports("sse4.2");
     out[n++] = (impl){"crc32 pclmul", crc32_pclmul, SS__CRC32_POLY, pcl};
     out[n++] = (impl){"crc32 vpclmul", crc32_vpclmul, SS__CRC32_POLY, vpcl};
     out[n++] = (impl){"crc32c pclmul", crc32c_pclmul, SS__CRC32C_POLY, pcl};
-    out[n++] =
-        (impl){"crc32c vpclmul", crc32c_vpclmul, SS__CRC32C_POLY, vpcl};
-    out[n++] =
-        (impl){"crc32c sse42", ss__crc32c_sse42, SS__CRC32C_POLY, sse42};
+    out[n++] = (impl){"crc32c vpclmul", crc32c_vpclmul, SS__CRC32C_POLY, vpcl};
+    out[n++] = (impl){"crc32c sse42", ss__crc32c_sse42, SS__CRC32C_POLY, sse42};
     out[n++] = (impl){"crc32c sse42-3way", ss__crc32c_sse42_3way,
                       SS__CRC32C_POLY, sse42 && pcl};
 #endif
@@ -118,8 +116,7 @@ static void test_known_vectors(void)
     CHECK_EQ_INT(ss_crc32(0, "123456789", 9), 0xCBF43926u);
     CHECK_EQ_INT(ss_crc32(0, "", 0), 0);
     CHECK_EQ_INT(ss_crc32(0x12345678u, "", 0), 0x12345678u);
-    CHECK_EQ_INT(ss_crc32(0, "The quick brown fox jumps over the lazy dog",
-                          43),
+    CHECK_EQ_INT(ss_crc32(0, "The quick brown fox jumps over the lazy dog", 43),
                  0x414FA339u);
     /* RFC 3720 (iSCSI) B.4. */
     CHECK_EQ_INT(ss_crc32c(0, "123456789", 9), 0xE3069283u);
@@ -163,9 +160,9 @@ static void test_all_lengths_alignments(void)
  * bytes long so ASan sees any read past the end. */
 static void test_threshold_lengths(void)
 {
-    static const size_t base[] = {511,  512,  1023, 1024,  1025,  1279,
-                                  1280, 2048, 2303, 3071,  4096,  4111,
-                                  767,  768,  769,  1535,  1536,  2304,
+    static const size_t base[] = {511,   512,   1023,  1024,  1025,  1279,
+                                  1280,  2048,  2303,  3071,  4096,  4111,
+                                  767,   768,   769,   1535,  1536,  2304,
                                   24575, 24576, 24577, 49152, 50000, 100003};
     impl im[16];
     size_t n = impls(im);
@@ -180,12 +177,11 @@ static void test_threshold_lengths(void)
             for (size_t i = 0; i < n; i++) {
                 if (!im[i].usable)
                     continue;
-                uint32_t want =
-                    im[i].poly == SS__CRC32_POLY ? want32 : want32c;
+                uint32_t want = im[i].poly == SS__CRC32_POLY ? want32 : want32c;
                 uint32_t got = im[i].fn(7, p, len);
                 if (got != want)
-                    fprintf(stderr, "  %s len=%zu off=%zu\n", im[i].name,
-                            len, off);
+                    fprintf(stderr, "  %s len=%zu off=%zu\n", im[i].name, len,
+                            off);
                 CHECK(got == want);
             }
             free(mem);
@@ -243,14 +239,13 @@ static void test_combine(void)
     for (size_t i = 0; i < sizeof big / sizeof *big; i++) {
         uint64_t a = big[i] / 3, b = big[i] - a;
         uint32_t za = ss_crc32_combine(one32, ss_crc32_combine(0, 0, a), a);
-        CHECK_EQ_INT(ss_crc32_combine(za, ss_crc32_combine(0, 0, b), b),
-                     ss_crc32_combine(one32, ss_crc32_combine(0, 0, a + b),
-                                      a + b));
-        uint32_t zc =
-            ss_crc32c_combine(one32c, ss_crc32c_combine(0, 0, a), a);
-        CHECK_EQ_INT(ss_crc32c_combine(zc, ss_crc32c_combine(0, 0, b), b),
-                     ss_crc32c_combine(one32c,
-                                       ss_crc32c_combine(0, 0, a + b), a + b));
+        CHECK_EQ_INT(
+            ss_crc32_combine(za, ss_crc32_combine(0, 0, b), b),
+            ss_crc32_combine(one32, ss_crc32_combine(0, 0, a + b), a + b));
+        uint32_t zc = ss_crc32c_combine(one32c, ss_crc32c_combine(0, 0, a), a);
+        CHECK_EQ_INT(
+            ss_crc32c_combine(zc, ss_crc32c_combine(0, 0, b), b),
+            ss_crc32c_combine(one32c, ss_crc32c_combine(0, 0, a + b), a + b));
     }
     free(buf);
 }

@@ -53,15 +53,17 @@ static void test_missing_path(void)
     CHECK(!st.loaded && !st.available);
     CHECK_EQ_INT(st.runtime_version, 0);
     CHECK(st.path[0] == '\0');
-    CHECK(contains(st.reason,
-                   "libcudart not found: tried /nonexistent/dir/libcudart.so.99"));
+    CHECK(contains(
+        st.reason,
+        "libcudart not found: tried /nonexistent/dir/libcudart.so.99"));
 
     const char *n[] = {"/nonexistent/libnccl.so.2", "/also/missing/libnccl.so"};
     ss_nccl_status ns;
     CHECK_EQ_INT(ss_nccl_probe(n, 2, &ns), SS_ENOTAVAIL);
     CHECK(!ns.loaded);
-    CHECK(contains(ns.reason, "libnccl not found: tried /nonexistent/libnccl.so.2, "
-                              "/also/missing/libnccl.so"));
+    CHECK(contains(ns.reason,
+                   "libnccl not found: tried /nonexistent/libnccl.so.2, "
+                   "/also/missing/libnccl.so"));
 }
 
 static void test_not_a_library(void)
@@ -112,11 +114,14 @@ static void test_fake_cudart_loads(void)
     CHECK_EQ_INT(cu->cudaSetDevice(7), 101);
     CHECK(strcmp(cu->cudaGetErrorString(101), "invalid device ordinal") == 0);
     void *pinned = NULL;
-    CHECK_EQ_INT(cu->cudaHostAlloc(&pinned, 64, SS_CUDA_HOST_ALLOC_PORTABLE), 0);
+    CHECK_EQ_INT(cu->cudaHostAlloc(&pinned, 64, SS_CUDA_HOST_ALLOC_PORTABLE),
+                 0);
     ss_cudaStream_t s = NULL;
-    CHECK_EQ_INT(cu->cudaStreamCreateWithFlags(&s, SS_CUDA_STREAM_NON_BLOCKING), 0);
+    CHECK_EQ_INT(cu->cudaStreamCreateWithFlags(&s, SS_CUDA_STREAM_NON_BLOCKING),
+                 0);
     CHECK_EQ_INT(cu->cudaMemcpyAsync(pinned, "0123456789", 11,
-                                     SS_CUDA_MEMCPY_DEVICE_TO_HOST, s), 0);
+                                     SS_CUDA_MEMCPY_DEVICE_TO_HOST, s),
+                 0);
     CHECK_EQ_INT(cu->cudaStreamSynchronize(s), 0);
     CHECK(pinned != NULL && strcmp(pinned, "0123456789") == 0);
     CHECK_EQ_INT(cu->cudaFreeHost(pinned), 0);
@@ -185,7 +190,8 @@ static void test_old_runtime_refused(void)
     CHECK(!st.loaded);
     CHECK(contains(st.reason, "libcudart not usable: tried "));
     CHECK(contains(st.reason, "libfake_cudart_old.so"));
-    CHECK(contains(st.reason, "CUDA runtime 10.2 is older than the minimum 11.0"));
+    CHECK(contains(st.reason,
+                   "CUDA runtime 10.2 is older than the minimum 11.0"));
 }
 
 static void test_missing_symbol_named(void)
@@ -200,7 +206,8 @@ static void test_missing_symbol_named(void)
     const char *n[] = {fake("cudart_ok")};
     ss_nccl_status ns;
     CHECK_EQ_INT(ss_nccl_probe(n, 1, &ns), SS_ENOTAVAIL);
-    CHECK(contains(ns.reason, "missing symbols ncclGetVersion, ncclGetUniqueId, "));
+    CHECK(contains(ns.reason,
+                   "missing symbols ncclGetVersion, ncclGetUniqueId, "));
     CHECK(contains(ns.reason, "ncclRecv)"));
 }
 
@@ -228,9 +235,13 @@ static void test_candidate_order(void)
 
     ss_cuda_status bad;
     CHECK_EQ_INT(ss_cuda_probe(c, 3, &bad), SS_ENOTAVAIL);
-    CHECK(contains(bad.reason, "libcudart not usable: tried /nonexistent/libcudart.so, "));
-    CHECK(contains(bad.reason, "libfake_cudart_nosym.so (missing symbol cudaEventQuery), "));
-    CHECK(contains(bad.reason, "libfake_cudart_old.so (CUDA runtime 10.2 is older"));
+    CHECK(contains(bad.reason,
+                   "libcudart not usable: tried /nonexistent/libcudart.so, "));
+    CHECK(
+        contains(bad.reason,
+                 "libfake_cudart_nosym.so (missing symbol cudaEventQuery), "));
+    CHECK(contains(bad.reason,
+                   "libfake_cudart_old.so (CUDA runtime 10.2 is older"));
 }
 
 static void test_bad_arguments(void)
@@ -252,7 +263,8 @@ static void test_reason_truncated(void)
     char small[100];
     const ss_cuda *cu;
     for (int i = 0; i < 40; i++) {
-        snprintf(names[i], sizeof names[i], "/nonexistent/long/dir/name/libcudart.so.%d", i);
+        snprintf(names[i], sizeof names[i],
+                 "/nonexistent/long/dir/name/libcudart.so.%d", i);
         c[i] = names[i];
     }
     ss_cuda_status st;
@@ -290,7 +302,8 @@ static void test_fake_nccl(void)
     CHECK_EQ_INT(nc->ncclCommInitRank(&comm, 2, id, 0), 4);
     float src[4] = {1, 2, 3, 4}, dst[4] = {0};
     CHECK_EQ_INT(nc->ncclGroupStart(), 0);
-    CHECK_EQ_INT(nc->ncclAllGather(src, dst, 4, SS_NCCL_FLOAT32, comm, NULL), 0);
+    CHECK_EQ_INT(nc->ncclAllGather(src, dst, 4, SS_NCCL_FLOAT32, comm, NULL),
+                 0);
     CHECK_EQ_INT(nc->ncclGroupEnd(), 0);
     CHECK(memcmp(src, dst, sizeof src) == 0);
     ss_ncclResult_t async = 1;
@@ -326,7 +339,8 @@ static void test_default_names(void)
     if (st.loaded) {
         CHECK(st.runtime_version >= SS_CUDA_MIN_RUNTIME);
         CHECK(strstr(st.path, "libcudart") != NULL);
-        CHECK(rc == 0 ? st.device_count > 0 : contains(st.reason, "no CUDA device: "));
+        CHECK(rc == 0 ? st.device_count > 0
+                      : contains(st.reason, "no CUDA device: "));
     } else {
         CHECK_EQ_INT(rc, SS_ENOTAVAIL);
         CHECK(contains(st.reason, "libcudart.so.13, libcudart.so.12, "

@@ -45,7 +45,8 @@ static void setup(void)
         fprintf(stderr, "cannot load %s: %s\n", lib, why);
         exit(2);
     }
-    fail_copy_at = (void (*)(long, int))dlsym(cu->lib.handle, "fake_cuda_fail_copy_at");
+    fail_copy_at =
+        (void (*)(long, int))dlsym(cu->lib.handle, "fake_cuda_fail_copy_at");
     copies = (long (*)(int))dlsym(cu->lib.handle, "fake_cuda_copies");
     waits = (long (*)(void))dlsym(cu->lib.handle, "fake_cuda_waits");
     if (!fail_copy_at || !copies || !waits)
@@ -125,13 +126,16 @@ static void test_copy_failure(void)
     for (int j = 0; j < N; j++)
         w[j] = (ss_io_wjob){src[j], lens[j], 0, offs[j], 1};
     fail_copy_at(3, 700);
-    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, 1, w, N, &o, NULL, &e), SS_EDEVICE);
-    CHECK(strstr(e.detail, "cudaMemcpyAsync: an illegal memory access") != NULL);
+    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, 1, w, N, &o, NULL, &e),
+                 SS_EDEVICE);
+    CHECK(strstr(e.detail, "cudaMemcpyAsync: an illegal memory access") !=
+          NULL);
     CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, 1, w, N, &o, crc, &e), 0);
     for (int j = 0; j < N; j++)
         r[j] = (ss_io_rjob){dst[j], lens[j], 0, offs[j], crc[j], 1, 1};
     fail_copy_at(2, 700);
-    CHECK_EQ_INT(ss_io_read(NULL, NULL, paths, 1, r, N, &o, NULL, &e), SS_EDEVICE);
+    CHECK_EQ_INT(ss_io_read(NULL, NULL, paths, 1, r, N, &o, NULL, &e),
+                 SS_EDEVICE);
     CHECK(strstr(e.detail, "(CUDA error 700)") != NULL);
     CHECK_EQ_INT(ss_io_read(NULL, NULL, paths, 1, r, N, &o, NULL, &e), 0);
     for (int j = 0; j < N; j++)

@@ -19,8 +19,8 @@ static ss_flat_layout *make(size_t n, const int64_t *numels, int64_t ws,
     return l;
 }
 
-static void check_info(const ss_flat_info *f, int in, int64_t off,
-                       int64_t n, int64_t s, int64_t e)
+static void check_info(const ss_flat_info *f, int in, int64_t off, int64_t n,
+                       int64_t s, int64_t e)
 {
     CHECK_EQ_INT(f->in_shard, in);
     CHECK_EQ_INT(f->offset_in_shard, off);
@@ -228,9 +228,9 @@ static void test_layout_errors(void)
 
 /* The reference: the whole padded flat parameter, pad everywhere except
  * the parameters (zeros for a missing one), then rank's slice. */
-static void reference_shard(const ss_flat_layout *l, int64_t rank,
-                            size_t is, const ss_flat_piece *p,
-                            const unsigned char *pad, unsigned char *out)
+static void reference_shard(const ss_flat_layout *l, int64_t rank, size_t is,
+                            const ss_flat_piece *p, const unsigned char *pad,
+                            unsigned char *out)
 {
     int64_t total = ss_flat_padded_numel(l), sn = ss_flat_shard_numel(l);
     unsigned char *full = malloc((size_t)(total ? total : 1) * is);
@@ -260,7 +260,8 @@ static void test_copy_random_many_jobs(void)
         ss_flat_piece pieces[MAXJ][MAXP], back[MAXJ][MAXP];
         unsigned char *want[MAXJ];
         unsigned char pad[8];
-        size_t nj = (size_t)rnd_in(1, MAXJ), is = (size_t[]){1, 2, 4, 8}[rnd_in(0, 3)];
+        size_t nj = (size_t)rnd_in(1, MAXJ),
+               is = (size_t[]){1, 2, 4, 8}[rnd_in(0, 3)];
         int big = iter % 10 == 0; /* some elements past a task's size */
 
         for (size_t b = 0; b < is; b++)
@@ -281,14 +282,16 @@ static void test_copy_random_many_jobs(void)
                 }
                 pieces[j][i] = (ss_flat_piece){d, 0, numels[i]};
             }
-            jobs[j] = (ss_flat_job){ls[j], rnd_in(0, ws - 1), is,
-                                    malloc((size_t)ss_flat_shard_numel(ls[j]) * is + 1),
-                                    pieces[j], iter % 2 ? pad : NULL};
+            jobs[j] = (ss_flat_job){
+                ls[j],     rnd_in(0, ws - 1),
+                is,        malloc((size_t)ss_flat_shard_numel(ls[j]) * is + 1),
+                pieces[j], iter % 2 ? pad : NULL};
             want[j] = malloc((size_t)ss_flat_shard_numel(ls[j]) * is + 1);
             reference_shard(ls[j], jobs[j].rank, is, pieces[j],
                             iter % 2 ? pad : NULL, want[j]);
         }
-        CHECK_EQ_INT(ss_flat_flatten(iter % 3 ? pool : NULL, jobs, nj, NULL), 0);
+        CHECK_EQ_INT(ss_flat_flatten(iter % 3 ? pool : NULL, jobs, nj, NULL),
+                     0);
         for (size_t j = 0; j < nj; j++)
             CHECK(memcmp(jobs[j].shard, want[j],
                          (size_t)ss_flat_shard_numel(ls[j]) * is) == 0);
@@ -304,7 +307,8 @@ static void test_copy_random_many_jobs(void)
             }
             jobs[j].pieces = back[j];
         }
-        CHECK_EQ_INT(ss_flat_unflatten(iter % 3 ? pool : NULL, jobs, nj, NULL), 0);
+        CHECK_EQ_INT(ss_flat_unflatten(iter % 3 ? pool : NULL, jobs, nj, NULL),
+                     0);
         for (size_t j = 0; j < nj; j++) {
             ss_flat_info f[MAXP];
             ss_flat_shard_infos(ls[j], jobs[j].rank, f, NULL);
@@ -315,7 +319,8 @@ static void test_copy_random_many_jobs(void)
                     int in = f[i].in_shard && x >= f[i].intra_start &&
                              x <= f[i].intra_end;
                     for (size_t b = 0; b < is; b++) {
-                        unsigned char w = in && src ? src[(size_t)x * is + b] : 0;
+                        unsigned char w =
+                            in && src ? src[(size_t)x * is + b] : 0;
                         if (got[(size_t)x * is + b] != w) {
                             CHECK(got[(size_t)x * is + b] == w);
                             x = INT64_MAX - 1;

@@ -217,9 +217,9 @@ static void check_copy_case(ss_pool *pool, int nd, const int64_t *sizes,
         src[i] = (char)rnd();
     for (int64_t i = 0; i < dspan; i++)
         a[i] = b[i] = (char)rnd();
-    CHECK_EQ_INT(ss_copy_nd(pool, a + dbase, ds, src + sbase, ss, sizes, nd,
-                            el, NULL),
-                 0);
+    CHECK_EQ_INT(
+        ss_copy_nd(pool, a + dbase, ds, src + sbase, ss, sizes, nd, el, NULL),
+        0);
     naive_copy(b + dbase, ds, src + sbase, ss, sizes, nd, el);
     CHECK(memcmp(a, b, (size_t)dspan) == 0);
     free(src);

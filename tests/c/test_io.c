@@ -95,16 +95,16 @@ static void roundtrip(const ss_os *os, int fsync_on)
     ss_errinfo e;
     o.fsync = fsync_on;
     o.writeback = fsync_on;
-    CHECK_EQ_INT(ss_io_write(os, pool, paths, NFILES, wjobs, NJOBS, &o, wcrc,
-                             &e), 0);
+    CHECK_EQ_INT(
+        ss_io_write(os, pool, paths, NFILES, wjobs, NJOBS, &o, wcrc, &e), 0);
     for (int j = 0; j < NJOBS; j++) {
         CHECK_EQ_INT(wcrc[j], ss_crc32(0, src[j], wjobs[j].len));
         rjobs[j].crc = wcrc[j];
         rjobs[j].has_crc = 1;
         memset(dst[j], 0xEE, wjobs[j].len);
     }
-    CHECK_EQ_INT(ss_io_read(os, pool, paths, NFILES, rjobs, NJOBS, &o, rcrc,
-                            &e), 0);
+    CHECK_EQ_INT(
+        ss_io_read(os, pool, paths, NFILES, rjobs, NJOBS, &o, rcrc, &e), 0);
     for (int j = 0; j < NJOBS; j++) {
         CHECK_EQ_INT(rcrc[j], wcrc[j]);
         CHECK(memcmp(src[j], dst[j], wjobs[j].len) == 0);
@@ -128,8 +128,8 @@ static void test_checksum_off_and_gaps(void)
     ss_io_opts o = opts_piece();
     unsigned char zero = 1;
     o.checksum = 0;
-    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, wjobs, NJOBS, &o, crc,
-                             NULL), 0);
+    CHECK_EQ_INT(
+        ss_io_write(NULL, pool, paths, NFILES, wjobs, NJOBS, &o, crc, NULL), 0);
     for (int j = 0; j < NJOBS; j++)
         CHECK_EQ_INT(crc[j], 0);
     /* the byte before job 1 is in a gap: it reads as zero */
@@ -150,14 +150,15 @@ static void test_checksum_mismatch(void)
     CHECK_EQ_INT(pwrite(fd, &c, 1, rjobs[j].offset + 7), 1);
     close(fd);
     ss_io_opts o = opts_piece();
-    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, rjobs, NJOBS, &o, NULL,
-                            &e), SS_ECHECKSUM);
+    CHECK_EQ_INT(
+        ss_io_read(NULL, pool, paths, NFILES, rjobs, NJOBS, &o, NULL, &e),
+        SS_ECHECKSUM);
     CHECK_EQ_INT(e.job, j);
     CHECK_EQ_INT(e.offset, rjobs[j].offset);
     CHECK(strcmp(e.path, paths[rjobs[j].file]) == 0);
     o.verify = 0;
-    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, rjobs, NJOBS, &o, NULL,
-                            &e), 0);
+    CHECK_EQ_INT(
+        ss_io_read(NULL, pool, paths, NFILES, rjobs, NJOBS, &o, NULL, &e), 0);
     for (int k = 0; k < NJOBS; k++)
         rjobs[k].has_crc = 0;
 }
@@ -180,12 +181,13 @@ static void test_range_and_validation(void)
                  SS_EINVAL);
     ss_io_wjob wbad = wjobs[1];
     wbad.offset = -1;
-    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, &wbad, 1, &o, NULL,
-                             &e), SS_EINVAL);
+    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, &wbad, 1, &o, NULL, &e),
+                 SS_EINVAL);
     ss_io_opts small = opts_piece();
     small.size = 8;
-    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, wjobs, NJOBS, &small,
-                             NULL, &e), SS_EINVAL);
+    CHECK_EQ_INT(
+        ss_io_write(NULL, pool, paths, NFILES, wjobs, NJOBS, &small, NULL, &e),
+        SS_EINVAL);
     CHECK(strstr(e.detail, "size") != NULL);
     const char *missing[] = {"/nonexistent-dir-ss/x"};
     CHECK_EQ_INT(ss_io_read(NULL, pool, missing, 1, NULL, 0, &o, NULL, &e),
@@ -204,9 +206,9 @@ static uint64_t calls_of(ss_faults *f, int op, int fsync_on)
 
 static void test_fault_matrix(void)
 {
-    static const char *const ops[] = {"open",  "ftruncate", "pwrite",
-                                      "writeback", "fsync", "close",
-                                      "fstat", "pread"};
+    static const char *const ops[] = {"open",      "ftruncate", "pwrite",
+                                      "writeback", "fsync",     "close",
+                                      "fstat",     "pread"};
     static const int errs[] = {ENOSPC, EIO};
     ss_faults *f = NULL;
     CHECK_EQ_INT(ss_faults_new(&f, NULL), 0);
@@ -228,8 +230,8 @@ static void test_fault_matrix(void)
                 int rc = ss_io_write(ss_faults_os(f), pool, paths, NFILES,
                                      wjobs, NJOBS, &o, NULL, &e);
                 if (rc == 0)
-                    rc = ss_io_read(ss_faults_os(f), pool, paths, NFILES,
-                                    rjobs, NJOBS, &o, NULL, &e);
+                    rc = ss_io_read(ss_faults_os(f), pool, paths, NFILES, rjobs,
+                                    NJOBS, &o, NULL, &e);
                 if (rc != -errs[ei])
                     fprintf(stderr, "  op %s k=%llu: rc %d\n", ops[oi],
                             (unsigned long long)ks[ki], rc);
@@ -309,9 +311,9 @@ static void test_coalesced_reads(void)
             int fds = count_fds();
             ss_faults_reset(f);
             CHECK_EQ_INT(ss_faults_fail(f, SS_OS_PREADV, k, errs[ei]), 0);
-            CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o,
-                                    NULL, &e),
-                         -errs[ei]);
+            CHECK_EQ_INT(
+                ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, NULL, &e),
+                -errs[ei]);
             CHECK(strcmp(e.op, "preadv") == 0 && strcmp(e.path, paths[0]) == 0);
             CHECK(e.job >= 0 && e.job < N);
             CHECK_EQ_INT(count_fds(), fds);
@@ -324,17 +326,18 @@ static void test_coalesced_reads(void)
         ss_faults_reset(f);
         CHECK_EQ_INT(ss_faults_short(f, SS_OS_PREADV, 1, cuts[c]), 0);
         CHECK_EQ_INT(ss_faults_eintr(f, SS_OS_PREADV, 2), 0);
-        CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, got,
-                                &e),
-                     0);
+        CHECK_EQ_INT(
+            ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, got, &e), 0);
         for (int j = 0; j < N; j++)
-            CHECK(memcmp(src_c[j], dst_c[j], w[j].len) == 0 && got[j] == crc[j]);
+            CHECK(memcmp(src_c[j], dst_c[j], w[j].len) == 0 &&
+                  got[j] == crc[j]);
     }
     /* a run that meets the end of the file early is SS_ESHORT */
     ss_faults_reset(f);
     CHECK_EQ_INT(ss_faults_short(f, SS_OS_PREADV, 1, 0), 0);
-    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, NULL, &e),
-                 SS_ESHORT);
+    CHECK_EQ_INT(
+        ss_io_read(ss_faults_os(f), pool, paths, 1, r, N, &o, NULL, &e),
+        SS_ESHORT);
     ss_faults_free(f);
 }
 
@@ -364,8 +367,9 @@ static void test_short_and_eintr(void)
     ss_io_opts o = opts_piece();
     ss_faults_reset(f);
     ss_faults_short(f, SS_OS_PREAD, 3, 0);
-    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, NFILES, rjobs,
-                            NJOBS, &o, NULL, &e), SS_ESHORT);
+    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, NFILES, rjobs, NJOBS,
+                            &o, NULL, &e),
+                 SS_ESHORT);
     CHECK(strcmp(e.op, "pread") == 0);
     CHECK_EQ_INT(ss_faults_short(f, SS_OS_OPEN, 1, 5), SS_EINVAL);
     CHECK_EQ_INT(ss_faults_fail(f, SS_OS_OPEN, 0, EIO), SS_EINVAL);
@@ -396,8 +400,9 @@ static void test_file_shrinks_during_read(void)
     os.pread = shrinking_pread;
     roundtrip(NULL, 0);
     /* serial: the first read (of file 1) shrinks file 0 under later jobs */
-    CHECK_EQ_INT(ss_io_read(&os, NULL, paths, NFILES, rjobs, NJOBS, &o, NULL,
-                            &e), SS_ESHORT);
+    CHECK_EQ_INT(
+        ss_io_read(&os, NULL, paths, NFILES, rjobs, NJOBS, &o, NULL, &e),
+        SS_ESHORT);
     CHECK(strcmp(e.path, paths[0]) == 0);
     CHECK(strcmp(e.op, "pread") == 0);
 }
@@ -431,8 +436,7 @@ static void test_publish(void)
         int fds = count_fds();
         ss_faults_reset(f);
         ss_faults_fail(f, ss_os_op_from_name(ops[i]), 1, EIO);
-        CHECK_EQ_INT(ss_io_publish(ss_faults_os(f), p, "new!", 4, 1, &e),
-                     -EIO);
+        CHECK_EQ_INT(ss_io_publish(ss_faults_os(f), p, "new!", 4, 1, &e), -EIO);
         CHECK(strcmp(e.op, ops[i]) == 0);
         CHECK(strcmp(e.path, p) == 0);
         read_file(p, got, sizeof got);

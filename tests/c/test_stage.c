@@ -58,8 +58,9 @@ static void rjobs_of(ss_io_rjob *r, int dev_mask, const uint32_t *crc)
 {
     for (int j = 0; j < NJOBS; j++) {
         memset(dst[j], 0, lens[j] + 1);
-        r[j] = (ss_io_rjob){dst[j], lens[j], (uint32_t)(j % NFILES), offs[j],
-                            crc ? crc[j] : 0, crc != NULL, (dev_mask >> j) & 1};
+        r[j] = (ss_io_rjob){
+            dst[j],           lens[j],     (uint32_t)(j % NFILES), offs[j],
+            crc ? crc[j] : 0, crc != NULL, (dev_mask >> j) & 1};
     }
 }
 
@@ -93,7 +94,8 @@ static void test_roundtrip(void)
     ss_io_opts o0 = SS_IO_OPTS_INIT;
 
     wjobs_of(w, 0);
-    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o0, plain, &e), 0);
+    CHECK_EQ_INT(
+        ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o0, plain, &e), 0);
     for (size_t a = 0; a < 3; a++)
         for (size_t t = 0; t < 3; t++)
             for (size_t m = 0; m < 2; m++) {
@@ -102,17 +104,22 @@ static void test_roundtrip(void)
                 ss_pool *pool = NULL;
                 CHECK_EQ_INT(ss_devhost_new(&h), 0);
                 ss_devhost_set_delay(h, 50);
-                CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), nbufs[a], BUF), 0);
+                CHECK_EQ_INT(
+                    ss_stage_new(&st, ss_devhost_dev(h), nbufs[a], BUF), 0);
                 CHECK_EQ_INT(ss_pool_new(&pool, threads[t]), 0);
                 ss_io_opts o = opts_for(st);
                 wjobs_of(w, masks[m]);
-                CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, wcrc, &e), 0);
+                CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS,
+                                         &o, wcrc, &e),
+                             0);
                 CHECK(memcmp(wcrc, plain, sizeof plain) == 0);
                 long issued = ss_devhost_issued(h);
                 CHECK(issued > 0);
                 CHECK(ss_devhost_max_inflight(h) <= (long)nbufs[a]);
                 rjobs_of(r, masks[m], plain);
-                CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, rcrc, &e), 0);
+                CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o,
+                                        rcrc, &e),
+                             0);
                 CHECK(all_equal());
                 CHECK(memcmp(rcrc, plain, sizeof plain) == 0);
                 CHECK_EQ_INT(ss_devhost_completed(h), ss_devhost_issued(h));
@@ -138,7 +145,8 @@ static void test_copy_ahead(void)
     wjobs_of(w, (1 << NJOBS) - 1);
     for (int j = 0; j < NJOBS; j++)
         pieces += (lens[j] + BUF - 1) / BUF;
-    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o, NULL, &e), 0);
+    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o, NULL, &e),
+                 0);
     CHECK_EQ_INT(ss_devhost_issued(h), (long)pieces);
     CHECK(ss_devhost_max_inflight(h) >= 2);
     CHECK(ss_devhost_max_inflight(h) <= 4);
@@ -164,36 +172,47 @@ static void test_failures(void)
     CHECK_EQ_INT(ss_faults_new(&f, NULL), 0);
     ss_io_opts o = opts_for(st);
     wjobs_of(w, (1 << NJOBS) - 1);
-    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, crc, &e), 0);
+    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, crc, &e),
+                 0);
 
     for (long k = 1; k <= 7; k += 3) {
         ss_devhost_fail_copy(h, k, -EIO);
-        CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, NULL, &e), -EIO);
+        CHECK_EQ_INT(
+            ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, NULL, &e),
+            -EIO);
         CHECK(strcmp(e.op, "device copy") == 0);
         ss_devhost_fail_copy(h, k, -EIO);
         rjobs_of(r, (1 << NJOBS) - 1, crc);
-        CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e), -EIO);
+        CHECK_EQ_INT(
+            ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e),
+            -EIO);
         ss_devhost_fail_copy(h, 0, 0);
     }
     ss_faults_fail(f, SS_OS_PWRITE, 3, ENOSPC);
-    CHECK_EQ_INT(ss_io_write(ss_faults_os(f), pool, paths, NFILES, w, NJOBS, &o, NULL, &e),
+    CHECK_EQ_INT(ss_io_write(ss_faults_os(f), pool, paths, NFILES, w, NJOBS, &o,
+                             NULL, &e),
                  -ENOSPC);
     ss_faults_reset(f);
-    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, NULL, &e), 0);
+    CHECK_EQ_INT(ss_io_write(NULL, pool, paths, NFILES, w, NJOBS, &o, NULL, &e),
+                 0);
     ss_faults_fail(f, SS_OS_PREAD, 2, EIO);
     rjobs_of(r, (1 << NJOBS) - 1, crc);
-    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, NFILES, r, NJOBS, &o, NULL, &e), -EIO);
+    CHECK_EQ_INT(ss_io_read(ss_faults_os(f), pool, paths, NFILES, r, NJOBS, &o,
+                            NULL, &e),
+                 -EIO);
     ss_faults_reset(f);
     /* a wrong expected CRC on a device job */
     uint32_t bad[NJOBS];
     memcpy(bad, crc, sizeof bad);
     bad[1] ^= 1;
     rjobs_of(r, (1 << NJOBS) - 1, bad);
-    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e), SS_ECHECKSUM);
+    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e),
+                 SS_ECHECKSUM);
     CHECK_EQ_INT(e.job, 1);
     /* and the stage still works */
     rjobs_of(r, (1 << NJOBS) - 1, crc);
-    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e), 0);
+    CHECK_EQ_INT(ss_io_read(NULL, pool, paths, NFILES, r, NJOBS, &o, NULL, &e),
+                 0);
     CHECK(all_equal());
     CHECK_EQ_INT(ss_devhost_completed(h), ss_devhost_issued(h));
     ss_faults_free(f);
@@ -212,7 +231,8 @@ static void test_validation(void)
     CHECK_EQ_INT(ss_devhost_new(&h), 0);
     /* a device job without a stage */
     wjobs_of(w, 1 << 2);
-    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o, NULL, &e), SS_EINVAL);
+    CHECK_EQ_INT(ss_io_write(NULL, NULL, paths, NFILES, w, NJOBS, &o, NULL, &e),
+                 SS_EINVAL);
     CHECK(strstr(e.detail, "staging") != NULL);
     /* bad stage shapes */
     CHECK_EQ_INT(ss_stage_new(&st, ss_devhost_dev(h), 0, BUF), SS_EINVAL);
@@ -253,13 +273,15 @@ static void *conc_main(void *v)
     }
     for (int round = 0; round < 4; round++) {
         wjobs_of(w, (1 << NJOBS) - 1);
-        a->ok &= ss_io_write(NULL, NULL, ps, NFILES, w, NJOBS, &o, crc, &e) == 0;
+        a->ok &=
+            ss_io_write(NULL, NULL, ps, NFILES, w, NJOBS, &o, crc, &e) == 0;
         for (int j = 0; j < NJOBS; j++) {
             buf[j] = malloc(lens[j] + 1);
-            r[j] = (ss_io_rjob){buf[j], lens[j], (uint32_t)(j % NFILES), offs[j],
-                                crc[j], 1, 1};
+            r[j] = (ss_io_rjob){
+                buf[j], lens[j], (uint32_t)(j % NFILES), offs[j], crc[j], 1, 1};
         }
-        a->ok &= ss_io_read(NULL, NULL, ps, NFILES, r, NJOBS, &o, back, &e) == 0;
+        a->ok &=
+            ss_io_read(NULL, NULL, ps, NFILES, r, NJOBS, &o, back, &e) == 0;
         for (int j = 0; j < NJOBS; j++) {
             a->ok &= memcmp(buf[j], src[j], lens[j]) == 0;
             free(buf[j]);
