@@ -198,7 +198,6 @@ def _raw_bandwidth(d: str, nbytes: int, repeat: int) -> tuple[float, float]:
     loop then fsync (as a save syncs its files), and a plain pread loop; no
     checksum (benchmarks/bench_io.py's raw limit)."""
     import numpy as np
-
     from shardstate import _core
 
     os.makedirs(d, exist_ok=True)
@@ -229,7 +228,6 @@ def _raw_ranks(rank, world, d, nbytes, repeat):
     any implementation needs to move this state on this machine."""
     import numpy as np
     import torch.distributed as dist
-
     from shardstate import _core
 
     n = nbytes // world

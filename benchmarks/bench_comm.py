@@ -35,7 +35,6 @@ OPS = ("all-gather", "gather", "exchange")
 def _bench(rank: int, world: int, mib: int, repeat: int) -> dict:
     import torch
     import torch.distributed as dist
-
     from shardstate import comm
 
     n = mib * 2**20 // 4 // world * world  # equal blocks for the exchange

@@ -89,7 +89,6 @@ def _model(params: float, use_orig_params: bool):
 
 
 def _set(model, kind: str) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import (
         FullOptimStateDictConfig,
         FullStateDictConfig,
@@ -97,6 +96,7 @@ def _set(model, kind: str) -> None:
         ShardedStateDictConfig,
         StateDictType,
     )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if kind == "sharded":
         FSDP.set_state_dict_type(
@@ -157,10 +157,9 @@ def _result_bytes(obj, seen=None) -> int:
 def _bench(rank: int, world: int, params: float, repeat: int, use_orig_params: bool) -> dict:
     import warnings
 
+    import shardstate.fsdp as ssf
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    import shardstate.fsdp as ssf
 
     warnings.simplefilter("ignore")
     model, optim, nparams = _model(params, use_orig_params)

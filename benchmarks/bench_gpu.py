@@ -66,10 +66,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
 
+    import shardstate.checkpoint as sdcp
     import torch
     import torch.distributed.checkpoint as tdcp
-
-    import shardstate.checkpoint as sdcp
     from shardstate.checkpoint import filesystem as ssfs
 
     total = int(args.gb * 1e9)

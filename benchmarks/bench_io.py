@@ -26,7 +26,6 @@ import time
 import zlib
 
 import numpy as np
-
 import shardstate
 from shardstate import _core
 from shardstate import io as ssio

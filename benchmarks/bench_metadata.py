@@ -32,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import torch  # noqa: E402
-
-from shardstate.checkpoint import _pickle, metadata as smd  # noqa: E402
+from shardstate.checkpoint import _pickle  # noqa: E402
+from shardstate.checkpoint import metadata as smd
 
 
 def _metadata(chunks: int) -> smd.Metadata:

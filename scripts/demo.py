@@ -42,19 +42,13 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 
+import shardstate
+import shardstate.checkpoint as dcp
+import shardstate.fsdp as ssf
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-import shardstate
-import shardstate.checkpoint as dcp
-import shardstate.fsdp as ssf
 from shardstate.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -62,6 +56,11 @@ from shardstate.fsdp import (
     ShardedStateDictConfig,
     StateDictType,
 )
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 CPU = torch.device("cpu")
 

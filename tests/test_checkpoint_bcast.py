@@ -18,19 +18,16 @@ step for the next load.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
-
 from _dtypes import seeded
-
-import shardstate.checkpoint as dcp
 from shardstate.checkpoint import filesystem as fs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -34,12 +34,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
-
 from _dtypes import DTYPES, seeded
-
-import shardstate.checkpoint as dcp
 from shardstate import ChecksumError
 from shardstate.checkpoint._pickle import loads_metadata
 

@@ -13,7 +13,6 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-
 from shardstate.checkpoint.api import CheckpointException
 from shardstate.checkpoint.state_dict_loader import load, load_state_dict
 from shardstate.checkpoint.state_dict_saver import async_save, save, save_state_dict

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
-
-import shardstate.checkpoint as dcp
 from shardstate.checkpoint import _staging
 from shardstate.checkpoint import filesystem as fs
 
@@ -237,10 +236,9 @@ def test_staging_waits_when_every_slot_is_busy():
 
 
 def _cached_saves(rank: int, world: int, root: str) -> list[int]:
+    from shardstate.checkpoint import default_planner as dpm
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from shardstate.checkpoint import default_planner as dpm
 
     planned: list[int] = []
     real = dpm.DefaultSavePlanner._create_global_plan

@@ -13,7 +13,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 import shardstate
 from shardstate import _core
 
@@ -97,7 +96,6 @@ def test_ncclcomm_errors_are_clear(fakes, tmp_path):
 
 def _exchange(rank, world):
     import torch.distributed as dist
-
     from shardstate import comm
 
     uid = comm.exchange_unique_id(dist.group.WORLD, make=lambda: bytes(range(128)))
@@ -153,7 +151,6 @@ def test_communicator_cache_teardown_and_cpu_path(run_distributed, fakes):
 
 def _cpu_paths(rank, world):
     import torch
-
     from shardstate import comm
 
     out = torch.empty(world * 3)
@@ -191,7 +188,6 @@ def _p2p_vs_gloo(rank, world):
     before are not taken by it."""
     import torch
     import torch.distributed as dist
-
     from shardstate import comm
 
     counts = {"isend": 0, "irecv": 0, "gather": 0, "all_gather_single": 0}
@@ -267,7 +263,6 @@ def test_gloo_gathers_go_point_to_point(run_distributed, world):
 
 def _p2p_errors(rank, world):
     import torch
-
     from shardstate import comm
 
     errs = []

@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import shardstate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import shardstate
 from shardstate import _core
 
 SETTINGS = settings(

@@ -19,7 +19,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 import shardstate._core as core
 import shardstate.cuda as sc
 

@@ -9,7 +9,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 import shardstate
 from shardstate import io as sio
 

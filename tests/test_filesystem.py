@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from _dtypes import DTYPES, seeded
-
 from shardstate import ChecksumError
 from shardstate.checkpoint import filesystem as fs
 from shardstate.checkpoint.filesystem import FileSystemReader, FileSystemWriter, StorageFormatError

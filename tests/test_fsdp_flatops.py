@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from shardstate.fsdp import _flatops
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)

@@ -19,9 +19,6 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
-from torch.distributed.fsdp._optim_utils import _flatten_tensor_optim_state
-
 from shardstate import ShardstateError
 from shardstate.fsdp._layout import (
     FLAT_PARAM_PADDING_VALUE,
@@ -31,6 +28,8 @@ from shardstate.fsdp._layout import (
     flatten_many,
     unflatten_many,
 )
+from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
+from torch.distributed.fsdp._optim_utils import _flatten_tensor_optim_state
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

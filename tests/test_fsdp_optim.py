@@ -29,15 +29,10 @@ import warnings
 from typing import Any
 
 import pytest
+import shardstate.fsdp as ssf
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import ShardingStrategy
-from torch.distributed.tensor import DTensor
-
-import shardstate.fsdp as ssf
 from shardstate.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -46,6 +41,10 @@ from shardstate.fsdp import (
     ShardedStateDictConfig,
     StateDictType,
 )
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.tensor import DTensor
 
 CPU = torch.device("cpu")
 OPTIMS = ("adam", "adamw", "sgd_momentum", "sgd")
@@ -704,8 +703,8 @@ def _relayout(saved: dict[str, Any], how: str, rank: int, world_size: int) -> di
                 new[name] = DTensor.from_local(full["state"][fqn][name], mesh, [Replicate()])
             elif how == "reversed":
                 # dim-0 chunks, but rank k holds chunk W-1-k: not torch's layout
-                from torch.distributed._shard.sharding_spec import ChunkShardingSpec
                 from torch.distributed._shard.api import _shard_tensor
+                from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
                 spec = ChunkShardingSpec(
                     dim=0, placements=[f"rank:{world_size - 1 - k}/cpu" for k in range(world_size)]
@@ -893,11 +892,10 @@ def test_plain_model_is_refused() -> None:
 
 
 def _flatops_vs_torch(rank: int, world_size: int) -> int:
+    from shardstate.fsdp import _flatops
     from torch.distributed.fsdp._flat_param import FlatParamHandle
     from torch.distributed.fsdp._runtime_utils import _lazy_init
     from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
-
-    from shardstate.fsdp import _flatops
 
     cm = _quiet()
     checks = 0

@@ -48,15 +48,12 @@ import warnings
 from typing import Any
 
 import pytest
+import shardstate.checkpoint as sdcp
+import shardstate.fsdp as ssf
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-import shardstate.checkpoint as sdcp
-import shardstate.fsdp as ssf
 from shardstate.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -64,6 +61,8 @@ from shardstate.fsdp import (
     ShardedStateDictConfig,
     StateDictType,
 )
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 CPU = torch.device("cpu")
 VOCAB, DIM, HIDDEN, SEQ = 29, 10, 23, 6

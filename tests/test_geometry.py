@@ -10,10 +10,9 @@ import threading
 
 import numpy as np
 import pytest
+import shardstate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import shardstate
 from shardstate import geometry
 from shardstate._core import GeomIndex
 from shardstate._core import copy_region as core_copy_region

@@ -72,9 +72,8 @@ def test_writes_wait_for_the_callers_stream(tmp_path, torch_cuda):
 
 def test_checkpoint_of_cuda_tensors_both_ways(tmp_path, torch_cuda):
     torch = torch_cuda
-    import torch.distributed.checkpoint as tdcp
-
     import shardstate.checkpoint as dcp
+    import torch.distributed.checkpoint as tdcp
 
     g = torch.Generator(device="cuda").manual_seed(1)
     sd = {
@@ -128,12 +127,11 @@ def _fsdp_on_gpu(rank, world):
     """FSDP1 on CUDA over NCCL (world 1: NCCL refuses two ranks on one GPU):
     shardstate.fsdp's full and sharded optimizer state equal torch's, and
     the full gather's bytes go over shardstate's own NCCL communicator."""
+    import shardstate.fsdp as ssf
     import torch
     import torch.nn as nn
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    import shardstate.fsdp as ssf
     from shardstate import comm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     torch.cuda.set_device(0)
     torch.manual_seed(0)

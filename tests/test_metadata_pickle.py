@@ -22,16 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shardstate
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import metadata as tmd
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.filesystem import _StorageInfo as TStorageInfo
-
-import shardstate
 from shardstate.checkpoint import _pickle as P
 from shardstate.checkpoint import metadata as smd
 from shardstate.checkpoint._pickle import (
@@ -43,6 +38,10 @@ from shardstate.checkpoint._pickle import (
     loads_object,
 )
 from shardstate.checkpoint.metadata import TorchName
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as tmd
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import _StorageInfo as TStorageInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -294,9 +293,8 @@ def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def _save_without_reference(rank: int, world: int, path: str) -> None:
     import numpy as np
-    from test_checkpoint_e2e import _dist_sd
-
     import shardstate.checkpoint as ss
+    from test_checkpoint_e2e import _dist_sd
 
     def refuse(md: Any) -> bytes:
         raise AssertionError("the reference writer ran")

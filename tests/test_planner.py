@@ -22,18 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
-from torch.distributed.checkpoint import _version as torch_version
-from torch.distributed.checkpoint import default_planner as tdp
-from torch.distributed.checkpoint import planner as tplanner
-from torch.distributed.checkpoint import planner_helpers as thelpers
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as TChunk
-from torch.distributed.checkpoint.metadata import TensorProperties as TProps
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TTensorMD
-
 from shardstate.checkpoint import _flatten
 from shardstate.checkpoint import default_planner as sdp
 from shardstate.checkpoint import planner as splanner
@@ -42,6 +33,14 @@ from shardstate.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint import _version as torch_version
+from torch.distributed.checkpoint import default_planner as tdp
+from torch.distributed.checkpoint import planner as tplanner
+from torch.distributed.checkpoint import planner_helpers as thelpers
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as TChunk
+from torch.distributed.checkpoint.metadata import TensorProperties as TProps
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TTensorMD
 
 # --------------------------------------------------------------------------
 # Comparing torch's objects with ours
@@ -675,14 +674,13 @@ def _dtensor_cases(world: int) -> list[tuple[int, str, tuple[int, int]]]:
 def _distributed_body(rank: int, world: int) -> dict[str, int]:
     import torch
     import torch.distributed as dist
+    from shardstate.checkpoint import default_planner as sdp
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed._shard.sharded_tensor import empty as st_empty
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
     from torch.distributed.checkpoint import default_planner as tdp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from shardstate.checkpoint import default_planner as sdp
 
     meshes = {n: DeviceMesh("cpu", list(range(n))) for n in range(1, world + 1)}
     mesh2d = DeviceMesh("cpu", [[0, 1], [2, 3]]) if world == 4 else None
@@ -793,9 +791,8 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
     assert len(errors) == 2 and errors[0] == errors[1], errors
     # The plans above ran on remembered DTensor boxes (_tensors._BOXES), and
     # each remembered box is torch's helper's answer, for every case here.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     from shardstate.checkpoint import _tensors
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     cached = 0
     for n in range(1, world + 1):

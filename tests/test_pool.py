@@ -3,7 +3,6 @@
 import gc
 
 import pytest
-
 import shardstate
 
 

@@ -12,7 +12,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 import shardstate
 from shardstate import _core
 from shardstate import io as sio

@@ -53,12 +53,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import shardstate.checkpoint.state_dict as ssd
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as tsd
 import torch.nn as nn
-
-import shardstate.checkpoint.state_dict as ssd
 
 # ---------------------------------------------------------------- the models
 

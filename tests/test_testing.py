@@ -5,7 +5,6 @@ import os
 import time
 
 import pytest
-
 from shardstate.testing import DistributedTestError, run_distributed
 
 

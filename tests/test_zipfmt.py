@@ -20,10 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
 from shardstate.checkpoint import _zipfmt as z
 from shardstate.checkpoint._zipfmt import RecordFormatError
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 DATA = Path(__file__).parent / "data"
 DTYPES = sorted(z.DTYPES)

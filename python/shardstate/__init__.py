@@ -5,6 +5,7 @@ in ``shardstate.checkpoint`` (a drop-in for ``torch.distributed.checkpoint``)
 and ``shardstate.fsdp``.
 """
 
+from . import io
 from ._core import (
     ChecksumError,
     GeomIndex,
@@ -17,8 +18,6 @@ from ._core import (
     crc32c_combine,
     crc_implementation,
 )
-
-from . import io
 from .geometry import Overlap, OverlapIndex, copy_region, overlaps
 from .io import ReadJob, WriteJob
 

@@ -64,6 +64,7 @@ from . import _torch_metadata as _ph_md
 from . import _zipfmt
 from . import metadata as _smd
 from .metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -72,7 +73,6 @@ from .metadata import (
     TensorProperties,
     TensorStorageMetadata,
     TorchName,
-    _MEM_FORMAT_ENCODING,
     _StorageInfo,
 )
 

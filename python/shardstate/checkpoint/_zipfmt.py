@@ -309,7 +309,7 @@ def _serialization_id(names: Sequence[str], crcs: Sequence[int]) -> bytes:
     return b"%020d%020d" % (hn, hc)
 
 
-_Record = tuple[str, Union[bytes, int]]  # (name, payload) or (name, size of streamed data)
+_Record = tuple[str, bytes | int]  # (name, payload) or (name, size of streamed data)
 
 
 def _assemble(records: Sequence[_Record], stream_crc: int) -> tuple[list[bytes | None], int]:

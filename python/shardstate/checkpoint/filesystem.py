@@ -75,13 +75,6 @@ import numpy as np
 
 from .. import io as ssio
 from .._core import ChecksumError, ShardstateError, crc32_combine
-from ._zipfmt import (
-    RecordFormatError,
-    TensorRecordPlan,
-    _hash_combine,
-    parse_record,
-    plan_tensor_record,
-)
 from ._pickle import (
     PickleFormatError,
     UnsafePickleError,
@@ -90,8 +83,15 @@ from ._pickle import (
     loads_metadata,
     loads_object,
 )
-from .metadata import StorageMeta, _StorageInfo, to_torch_metadata
 from ._tensors import numpy_dtype, numpy_dtype_name
+from ._zipfmt import (
+    RecordFormatError,
+    TensorRecordPlan,
+    _hash_combine,
+    parse_record,
+    plan_tensor_record,
+)
+from .metadata import StorageMeta, _StorageInfo, to_torch_metadata
 from .planner import element_size
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 

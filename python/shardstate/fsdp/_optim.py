@@ -54,7 +54,6 @@ from torch.distributed.distributed_c10d import _get_pg_default_device
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 from torch.distributed.fsdp._fsdp_extensions import _ext_chunk_dtensor, _ext_chunk_tensor
-from torch.distributed.fsdp._shard_utils import _get_remote_device_str
 from torch.distributed.fsdp._optim_utils import (
     FSDPParamInfo,
     StateInfo,
@@ -78,6 +77,7 @@ from torch.distributed.fsdp._optim_utils import (
     sorted_items,
 )
 from torch.distributed.fsdp._runtime_utils import _reset_flat_param_grad_info_if_needed
+from torch.distributed.fsdp._shard_utils import _get_remote_device_str
 from torch.distributed.fsdp.api import ShardingStrategy
 from torch.distributed.fsdp.fully_sharded_data_parallel import (
     _get_fqn_to_param,
