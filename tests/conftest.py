@@ -1,7 +1,15 @@
 # The multi-process helper doubles as a pytest plugin (the run_distributed
-# fixture). Installed copies register it through the pytest11 entry point;
-# here the package is used from the source tree, so load it by name.
-pytest_plugins = ["shardstate.testing"]
+# fixture). An installed shardstate (wheel or editable) registers it through
+# its pytest11 entry point before any conftest runs; from a bare source tree
+# (PYTHONPATH=python) nothing has, so it is registered here. Either way it is
+# registered once: pytest refuses the same module under a second name.
+
+
+def pytest_configure(config):
+    import shardstate.testing
+
+    if not config.pluginmanager.is_registered(shardstate.testing):
+        config.pluginmanager.register(shardstate.testing, "shardstate.testing")
 
 
 def _gpu_present() -> tuple[bool, str]:
