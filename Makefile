@@ -17,14 +17,14 @@ CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_
 # inside torch aborts the process under the ASan runtime.
 LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
-.PHONY: all venv build test ctest tsan-ctest asan-test demo bench clean
+.PHONY: all venv build test wheel-test lint ctest tsan-ctest asan-test demo bench clean
 
 all: build
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=64" wheel
+	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=77" wheel
 	touch $@
 
 venv: $(STAMP)
@@ -36,6 +36,34 @@ build: $(STAMP)
 # makes make fail on any failure or on an empty run.
 test: build
 	$(PY) -m pytest -q tests
+
+# The suite against the package as users install it: a wheel built from
+# this tree (pip's isolated build), installed into a fresh virtualenv, and
+# the tests run from outside the tree, with nothing from python/ on the path
+# (SHARDSTATE_TEST_INSTALLED=1 makes tests/test_packaging.py insist on it).
+WHEEL_DIR  := build/wheel
+WHEEL_VENV := build/wheel-venv
+wheel-test:
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV) build/wheel-run
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/pip wheel -q --no-deps -w $(WHEEL_DIR) .
+	$(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" "setuptools>=77"
+	$(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/shardstate-*.whl
+	mkdir -p build/wheel-run
+	cd build/wheel-run && env -u PYTHONPATH SHARDSTATE_TEST_INSTALLED=1 \
+	    $(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	    --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml $(CURDIR)/tests
+
+# ruff over the Python, clang-format (check mode) over the C; pinned versions.
+LINT_STAMP := $(VENV)/.lint-stamp
+$(LINT_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q "ruff==0.17.6" "clang-format==23.1.5"
+	touch $@
+C_FILES = $(wildcard csrc/core/*.[ch] csrc/py/*.[ch] tests/c/*.[ch])
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check python tests benchmarks scripts setup.py
+	$(VENV)/bin/clang-format --dry-run --Werror $(C_FILES)
 
 # C-level tests of csrc/core, built with ASan+UBSan, one program per file.
 build/ctest/%: tests/c/%.c $(CORE_SRC) $(wildcard csrc/core/*.h) tests/c/ss_test.h

@@ -331,7 +331,8 @@ def main() -> int:
         raw2_w, raw2_r = run_distributed(_raw_ranks, 2, d, state_bytes, args.repeat,
                                          timeout=900)[0]
         for k, raw_t in (("save", raw2_w), ("load", raw2_r)):
-            print(f"  ceiling {k:<5} torch / raw 2-rank {'pwrite+fsync' if k == 'save' else 'pread'}"
+            raw_op = "pwrite+fsync" if k == "save" else "pread"
+            print(f"  ceiling {k:<5} torch / raw 2-rank {raw_op}"
                   f" = {med['torch'][k] / raw_t:5.2f}x (raw {raw_t:.3f} s, "
                   f"{state_bytes / raw_t / 2**30:.2f} GiB/s); shardstate reaches "
                   f"{raw_t / med['shardstate'][k]:5.2f} of raw")

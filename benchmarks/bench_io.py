@@ -75,7 +75,8 @@ def bench_dir(d: str, data: np.ndarray, job_bytes: int, threads: int, repeat: in
     crcs = ssio.write(jobs, threads=threads)
     out = np.empty_like(data)
     outs = [out[o:o + job_bytes] for o in range(0, total, job_bytes)]
-    rjobs = [ssio.ReadJob(path, i * job_bytes, v, crc) for i, (v, crc) in enumerate(zip(outs, crcs))]
+    rjobs = [ssio.ReadJob(path, i * job_bytes, v, crc)
+             for i, (v, crc) in enumerate(zip(outs, crcs))]
     res["engine read"] = median_time(lambda: ssio.read(rjobs, threads=threads, verify=True), repeat)
     if not np.array_equal(out, data):
         raise SystemExit("engine read returned different bytes")
@@ -98,8 +99,10 @@ def main() -> int:
     total = int(args.gib * (1 << 30)) // (args.job_mib << 20) * (args.job_mib << 20)
     rng = np.random.default_rng(0)
     data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
-    print(f"shardstate {shardstate.__version__}, CRC implementations {shardstate.crc_implementation()}")
-    print(f"{total / 2**30:.2f} GiB per run in {args.job_mib} MiB jobs, engine threads={args.threads}, "
+    print(f"shardstate {shardstate.__version__}, "
+          f"CRC implementations {shardstate.crc_implementation()}")
+    print(f"{total / 2**30:.2f} GiB per run in {args.job_mib} MiB jobs, "
+          f"engine threads={args.threads}, "
           f"median of {args.repeat}; cpu_count={os.cpu_count()}")
 
     ok = True
@@ -110,8 +113,9 @@ def main() -> int:
             print(f"  {k:<13} {v:7.2f}")
         w = r["engine write"] / r["raw pwrite"]
         rd = r["engine read"] / r["raw pread"]
-        print(f"  ratio engine write / raw pwrite  {w:5.2f}  (target >= 0.90) {'ok' if w >= 0.9 else 'MISS'}")
-        print(f"  ratio engine read  / raw pread   {rd:5.2f}  (target >= 0.90) {'ok' if rd >= 0.9 else 'MISS'}")
+        for what, x in (("write / raw pwrite ", w), ("read  / raw pread  ", rd)):
+            print(f"  ratio engine {what} {x:5.2f}  (target >= 0.90) "
+                  f"{'ok' if x >= 0.9 else 'MISS'}")
         print(f"  ratio engine write / python write {r['engine write'] / r['python write']:5.2f}")
         ok &= w >= 0.9 and rd >= 0.9
 
@@ -125,7 +129,8 @@ def main() -> int:
     print(f"\nCRC on {args.crc_mib} MiB (GiB/s): shardstate.crc32 {gb / t_ss:.2f}, "
           f"zlib.crc32 {gb / t_z:.2f}, shardstate.crc32c {gb / t_c:.2f}")
     ratio = t_z / t_ss
-    print(f"  ratio crc32 / zlib.crc32 {ratio:5.2f}  (target >= 3) {'ok' if ratio >= 3 else 'MISS'}")
+    print(f"  ratio crc32 / zlib.crc32 {ratio:5.2f}  (target >= 3) "
+          f"{'ok' if ratio >= 3 else 'MISS'}")
     ok &= ratio >= 3
     print("\nall targets met" if ok else "\nsome targets missed (see MISS above)")
     return 0

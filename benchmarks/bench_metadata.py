@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 import torch  # noqa: E402
 from shardstate.checkpoint import _pickle  # noqa: E402
-from shardstate.checkpoint import metadata as smd
+from shardstate.checkpoint import metadata as smd  # noqa: E402
 
 
 def _metadata(chunks: int) -> smd.Metadata:

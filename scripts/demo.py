@@ -395,7 +395,7 @@ def fsdp_resume(c: ModelConfig, steps: int, more: int, root: str, say) -> bool:
 
 
 def dtensor_save(total: int, mesh, ckpt: str, say) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     sd = state(total, mesh, Shard(0), fill=True)
     mine = local_bytes(sd)
     everyone = [0] * world

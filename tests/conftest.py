@@ -18,7 +18,8 @@ def _gpu_present() -> tuple[bool, str]:
     import subprocess
     import sys
 
-    code = "import shardstate.cuda as c; s = c.status().cuda; print(int(s.available)); print(s.reason)"
+    code = ("import shardstate.cuda as c; s = c.status().cuda; "
+            "print(int(s.available)); print(s.reason)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()
     if out.returncode != 0 or not lines:

@@ -54,7 +54,8 @@ def test_ncclcomm_collectives_on_the_stand_in(fakes):
     src = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
     for wait in (False, True):
         out = np.zeros_like(src)
-        c.all_gather(_FakeCudaArray(src, readonly=True), _FakeCudaArray(out), stream=None, wait=wait)
+        c.all_gather(_FakeCudaArray(src, readonly=True), _FakeCudaArray(out), stream=None,
+                     wait=wait)
         np.testing.assert_array_equal(out, src)
         buf = src.copy()
         c.broadcast(_FakeCudaArray(buf), 0, wait=wait)

@@ -64,7 +64,8 @@ def _empty_like(sd: dict) -> dict:
     out: dict = {}
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):
-            out[k] = torch.zeros_like(v) if v.dtype != torch.bool else torch.zeros(v.shape, dtype=torch.bool)
+            out[k] = (torch.zeros_like(v) if v.dtype != torch.bool
+                      else torch.zeros(v.shape, dtype=torch.bool))
             if k == "transposed":
                 out[k] = torch.zeros(4, 5)  # a contiguous destination for a strided record
         elif isinstance(v, dict):
@@ -188,7 +189,8 @@ def test_flipped_bytes_item_is_detected(tmp_path):
     dcp.save({"cfg": {"lr": 0.5}}, storage_writer=FileSystemWriter(tmp_path))
     file, off, _ = _record(tmp_path, "cfg.lr")
     _flip(file, off + 64 + 4)  # inside data.pkl (data starts 64-aligned)
-    _raised(ChecksumError, "cfg.lr", dcp.load, {"cfg": {"lr": 0.0}}, storage_reader=FileSystemReader(tmp_path))
+    _raised(ChecksumError, "cfg.lr", dcp.load, {"cfg": {"lr": 0.0}},
+            storage_reader=FileSystemReader(tmp_path))
 
 
 def _rewrite_storage(path: Path, key: str, **changes: object) -> None:
@@ -206,7 +208,8 @@ def test_storage_path_outside_checkpoint_is_refused(tmp_path, bad):
     dcp.save({"a": torch.ones(3)}, storage_writer=FileSystemWriter(ck))
     (tmp_path / "x.distcp").write_bytes((ck / "__0_0.distcp").read_bytes())
     _rewrite_storage(ck, "a", relative_path=bad)
-    _raised(StorageFormatError, "storage path", dcp.load, {"a": torch.zeros(3)}, storage_reader=FileSystemReader(ck))
+    _raised(StorageFormatError, "storage path", dcp.load, {"a": torch.zeros(3)},
+            storage_reader=FileSystemReader(ck))
 
 
 def test_symlink_escape_is_refused(tmp_path):
@@ -215,23 +218,27 @@ def test_symlink_escape_is_refused(tmp_path):
     outside = tmp_path / "outside.distcp"
     (ck / "__0_0.distcp").rename(outside)
     (ck / "__0_0.distcp").symlink_to(outside)
-    _raised(StorageFormatError, "outside the checkpoint", dcp.load, {"a": torch.zeros(3)}, storage_reader=FileSystemReader(ck))
+    _raised(StorageFormatError, "outside the checkpoint", dcp.load, {"a": torch.zeros(3)},
+            storage_reader=FileSystemReader(ck))
 
 
 def test_item_past_end_of_file(tmp_path):
     dcp.save({"a": torch.ones(3), "b": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path))
     file, off, length = _record(tmp_path, "b")
     _rewrite_storage(tmp_path, "b", length=length + 1)
-    _raised(StorageFormatError, "runs past the end", dcp.load, {"b": torch.zeros(2)}, storage_reader=FileSystemReader(tmp_path))
+    _raised(StorageFormatError, "runs past the end", dcp.load, {"b": torch.zeros(2)},
+            storage_reader=FileSystemReader(tmp_path))
     _rewrite_storage(tmp_path, "b", length=length)
     os.truncate(file, off + length - 10)  # the file itself got shorter
-    _raised(StorageFormatError, f"{file}", dcp.load, {"b": torch.zeros(2)}, storage_reader=FileSystemReader(tmp_path))
+    _raised(StorageFormatError, f"{file}", dcp.load, {"b": torch.zeros(2)},
+            storage_reader=FileSystemReader(tmp_path))
 
 
 def test_wrong_record_length_is_a_format_error(tmp_path):
     dcp.save({"a": torch.ones(3), "b": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path))
     _rewrite_storage(tmp_path, "a", length=_record(tmp_path, "a")[2] - 1)
-    _raised(StorageFormatError, "'a'", dcp.load, {"a": torch.zeros(3)}, storage_reader=FileSystemReader(tmp_path))
+    _raised(StorageFormatError, "'a'", dcp.load, {"a": torch.zeros(3)},
+            storage_reader=FileSystemReader(tmp_path))
 
 
 class _Evil:
@@ -262,7 +269,8 @@ def test_malicious_bytes_item_is_refused(tmp_path):
     # Saving pickles the object; nothing runs.
     dcp.save({"obj": _Evil(str(marker)), "a": torch.ones(2)}, storage_writer=FileSystemWriter(ck))
     assert not marker.exists()
-    _raised(StorageFormatError, "system", dcp.load, {"obj": None, "a": torch.zeros(2)}, storage_reader=FileSystemReader(ck))
+    _raised(StorageFormatError, "system", dcp.load, {"obj": None, "a": torch.zeros(2)},
+            storage_reader=FileSystemReader(ck))
     assert not marker.exists()
 
 
@@ -492,7 +500,8 @@ def test_partial_reads_are_checked_whole(tmp_path, monkeypatch):
     rec = parse_record(file.read_bytes()[off:off + length], base_offset=off)
     _flip(file, rec.data_offset + 20 * 64 * 4 + 3)
     for offs, lens in (((3, 0), (4, 64)), ((0, 1), (40, 2))):
-        _raised(ChecksumError, r"'w'.*offset", _read_region, tmp_path, offs, lens, torch.zeros(lens))
+        _raised(ChecksumError, r"'w'.*offset", _read_region, tmp_path, offs, lens,
+                torch.zeros(lens))
         dest = torch.zeros(lens)
         _read_region(tmp_path, offs, lens, dest, verify_checksums=False)
         assert torch.equal(dest[:, :2], w[offs[0]:offs[0] + lens[0], offs[1]:offs[1] + 2])

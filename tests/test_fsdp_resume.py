@@ -246,11 +246,12 @@ def _load(dcp: Any, sd: dict[str, Any], ckpt: str) -> None:
     in two calls, the tensors, then ``param_groups``.
 
     One call fails in torch 2.13's DCP (shardstate's planner compares how
-    many checkpoint keys each rule matches instead): a rank that holds no piece of some parameter (here ``pos`` on the
-    last of 4 ranks) gets an empty ShardedTensor, which the planner drops, so
-    the checkpoint has keys this rank's state dict lacks; the planner takes
-    that for a pre-2.4 checkpoint and re-flattens with the old rule, under
-    which ``optim.param_groups`` is one leaf the checkpoint does not have
+    many checkpoint keys each rule matches instead): a rank that holds no
+    piece of some parameter (here ``pos`` on the last of 4 ranks) gets an
+    empty ShardedTensor, which the planner drops, so the checkpoint has keys
+    this rank's state dict lacks; the planner takes that for a pre-2.4
+    checkpoint and re-flattens with the old rule, under which
+    ``optim.param_groups`` is one leaf the checkpoint does not have
     ("Missing key in checkpoint state_dict: optim.param_groups"). With the
     tensors alone both rules give the same keys; ``param_groups`` alone
     misses nothing that the old rule would explain.

@@ -254,11 +254,14 @@ def test_threads_and_pool_arguments(tmp_path):
 def test_core_entry_points_validate(tmp_path):
     p = str(tmp_path / "a")
     with pytest.raises(IndexError, match="file_idx"):
-        _core.write_batch([p], [1], [0], [b"x"], None, False, True, 0, None, False, None, None, None)
+        _core.write_batch([p], [1], [0], [b"x"], None, False, True, 0, None, False,
+                          None, None, None)
     with pytest.raises(ValueError, match="entries"):
-        _core.write_batch([p], [0, 0], [0], [b"x"], None, False, True, 0, None, False, None, None, None)
+        _core.write_batch([p], [0, 0], [0], [b"x"], None, False, True, 0, None, False,
+                          None, None, None)
     with pytest.raises(TypeError, match="offsets must be a sequence of ints"):
-        _core.write_batch([p], [0], 5, [b"x"], None, False, True, 0, None, False, None, None, None)
+        _core.write_batch([p], [0], 5, [b"x"], None, False, True, 0, None, False,
+                          None, None, None)
     with pytest.raises(TypeError, match="FaultInjector"):
         _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, 3, False, None, None, None)
     # NumPy int64 arrays are taken as they are
@@ -268,7 +271,8 @@ def test_core_entry_points_validate(tmp_path):
     )
     assert crcs == [zlib.crc32(b"ab"), zlib.crc32(b"cd")]
     with pytest.raises(ValueError, match="crcs"):
-        _core.read_batch([p], [0], [0], [bytearray(2)], [2**40], None, True, True, 0, None, None, None)
+        _core.read_batch([p], [0], [0], [bytearray(2)], [2**40], None, True, True, 0, None,
+                         None, None)
 
 
 def test_raw_baselines(tmp_path):

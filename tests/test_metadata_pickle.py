@@ -27,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shardstate._util import gc_paused
 from shardstate.checkpoint import _pickle as P
 from shardstate.checkpoint import metadata as smd
 from shardstate.checkpoint._pickle import (
@@ -170,7 +171,7 @@ PLAIN = [
     list(range(2000)), {}, {1: 2}, {i: i for i in range(1000)}, {i: -i for i in range(2001)},
     set(), {1}, set(range(1000)), set(range(2500)), frozenset(), frozenset({1, 2}), (), (1,),
     (1, 2), (1, 2, 3), (1, 2, 3, 4), [_S, _S, (_S,), {_S: [_S]}],
-    [("s%d" % i, i, [i] * 3, {"k": "v"}) for i in range(12000)],
+    [(f"s{i}", i, [i] * 3, {"k": "v"}) for i in range(12000)],
     ["z" * 70000, "q", b"w" * 65536, "a" * 65535, "b" * 65536],
 ]
 
@@ -602,7 +603,7 @@ def test_torch_free_round_trip(tmp_path: Path) -> None:
         print("OK")
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
@@ -948,7 +949,7 @@ def test_gc_paused_restores_the_collector(saved: Path) -> None:
 
     raw = (saved / ".metadata").read_bytes()
     assert gc.isenabled()
-    with P.gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     with pytest.raises(PickleFormatError):  # restored on the error path too

@@ -796,7 +796,7 @@ def _distributed_body(rank: int, world: int) -> dict[str, int]:
 
     cached = 0
     for n in range(1, world + 1):
-        for i, (k, pl, shape) in enumerate(_dtensor_cases(world)):
+        for k, pl, shape in _dtensor_cases(world):
             if k != n:
                 continue
             t = dt(n, pl, shape)

@@ -107,7 +107,7 @@ def test_batches_from_several_threads_take_turns(tmp_path):
 
     def worker(k: int) -> None:
         try:
-            for r in range(3):
+            for _ in range(3):
                 jobs = [WriteJob(tmp_path / f"t{k}_{i}", 0, a, device=True)
                         for i, a in enumerate(data)]
                 crcs = sio.write(jobs, stage=stage, threads=2)
@@ -143,7 +143,8 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="no stage"):
         sio.write([WriteJob(p, 0, b"abc", device=True)])
     with pytest.raises(ValueError, match="entries"):
-        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, s, [True, False], None)
+        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, s,
+                          [True, False], None)
     with pytest.raises(TypeError, match="Stage"):
         _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, 5, [True], None)
     with pytest.raises(TypeError, match="Stage"):

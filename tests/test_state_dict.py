@@ -398,7 +398,7 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
                            optim_state_dict=_copy(tsd.get_optimizer_state_dict(source, sopt)))
         _same(_params(ref_model), _params(source), f"{kind} {opts} source copy")
         _step(ref_model, ref_opt, 7)
-        for who, (model, opt) in targets.items():
+        for model, opt in targets.values():
             _step(model, opt, 7)
         for who, (model, opt) in targets.items():
             _same(_params(model), _params(ref_model), f"{kind} {opts} {who} after a step")

@@ -214,7 +214,7 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
     missing = [r for r in range(world_size) if r not in values and r not in failures]
     if missing:
         _kill_all(procs, dump_stacks=timed_out)
-        reason = ("timed out after %.0f s" % timeout) if timed_out else (
+        reason = f"timed out after {timeout:.0f} s" if timed_out else (
             "stopped waiting after another rank failed")
         for r in missing:
             failures[r] = f"rank {r} {reason} (its stacks, if any, are in the captured stderr)"

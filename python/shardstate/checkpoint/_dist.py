@@ -14,16 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._util import import_torch
 from .api import CheckpointException, _get_failure_dict, _wrap_exception
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 def dist_ready() -> bool:
@@ -100,7 +95,7 @@ class _Coordinator:
         """Whether any rank passed True (every rank must call it)."""
         if not self.use_dist:
             return failed
-        torch = _torch()
+        torch = import_torch()
         flag = torch.tensor([1 if failed else 0], dtype=torch.int64,
                             device=self._transport_device())
         self._dist.all_reduce(flag, group=self.group)
@@ -117,7 +112,7 @@ class _Coordinator:
             return
         from .. import comm
 
-        t = _torch().from_numpy(buf)
+        t = import_torch().from_numpy(buf)
         dev = self._transport_device()
         if dev == "cpu":
             comm.broadcast(t, src, self.group)
@@ -129,7 +124,7 @@ class _Coordinator:
     def _transport_device(self) -> Any:
         backend = str(self._dist.get_backend(self.group))
         if backend == "nccl":
-            torch = _torch()
+            torch = import_torch()
             return torch.device("cuda", torch.cuda.current_device())
         return "cpu"
 

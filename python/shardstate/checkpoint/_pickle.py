@@ -27,7 +27,8 @@ gigabytes, as the C unpickler's array memo can). A stream that the C scan
 out-of-band buffers; memo indices bounded by the opcodes before them; every
 length inside the data) runs on CPython's C unpickler with the same
 allowlist instead, ten times faster; whatever it fails on goes to the
-reference, whose outcome is the answer. Every allowlisted global is replaced by an inert stand-in: the
+reference, whose outcome is the answer. Every allowlisted global is
+replaced by an inert stand-in: the
 metadata classes by proxy types that only record their state, callables by
 objects that check their arguments, torch objects by names. Nothing outside
 the allowlist is imported or called, and no shared object can be mutated by
@@ -46,19 +47,18 @@ only when torch is already in ``sys.modules``). Functions are thread-safe.
 from __future__ import annotations
 
 import _compat_pickle
-import contextlib
-import gc
 import io
 import pathlib
 import pickle
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
 from .. import ShardstateError, _core
+from .._util import gc_paused, loaded_torch
 from . import _torch_filesystem as _ph_fs
 from . import _torch_metadata as _ph_md
 from . import _zipfmt
@@ -127,10 +127,6 @@ _MEM_ENCODING_BY_NAME = {
     "torch.channels_last": 1,
     "torch.preserve_format": 2,
 }
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
 
 
 def _torch_name(obj: Any) -> str | None:
@@ -592,23 +588,6 @@ _OBJECT_SAVERS: dict[str, Callable[[_Writer, Any], None]] = {
 }
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (as it was
-    after). Reading or writing a large ``.metadata`` makes hundreds of
-    thousands of objects; every 700 of them the collector runs, and its
-    full passes walk everything alive, so with it on the time grows
-    faster than the size (192,000 chunks: 30% of the time). These graphs
-    hold no cycles (the builder refuses them), so nothing waits for it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 # --------------------------------------------------------------------------
 # Writer, fast path: CPython's C pickler on stand-in classes
 # --------------------------------------------------------------------------
@@ -850,7 +829,7 @@ def _dumps_fast(md: Any) -> bytes | None:
     same length, so frames and offsets hold. A rename is made only when its
     module string occurs exactly as often as the graph used the module
     (a user string spelling the stand-in's module makes it decline)."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is None:
         return None
     try:
@@ -1427,7 +1406,7 @@ class _Builder:
         self.what = what
         self.done: dict[int, Any] = {}
         self.active: set[int] = set()
-        self.torch = _torch()
+        self.torch = loaded_torch()
 
     def fail(self, msg: str) -> PickleFormatError:
         return PickleFormatError(f"{self.what}: {msg}")
@@ -1782,7 +1761,7 @@ def dumps_object(obj: Any) -> bytes:
     try:
         _ProbePickler(buf, protocol=2).dump(obj)
     except _StorageFound:
-        torch = _torch()
+        torch = loaded_torch()
         if torch is None:  # a torch object cannot exist without torch loaded
             raise TypeError("object holds torch storages but torch is not loaded") from None
         out = io.BytesIO()
@@ -1814,7 +1793,7 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
         raise PickleFormatError("bytes item has no data.pkl")
     has_storage = any(n.startswith("data/") for n in by_name)
     if has_storage or allow_unsafe:
-        torch = _torch()
+        torch = loaded_torch()
         if torch is None:
             try:
                 import torch  # noqa: F811  (only for records that need it)

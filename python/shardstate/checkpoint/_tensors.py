@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .._util import loaded_torch
 from .metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TorchName, _size
 from .planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -65,10 +66,6 @@ _NUMPY_TO_TORCH = {
 }
 
 
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
 # torch.Size when torch is loaded, else a tuple of ints (they compare equal).
 to_size = _size
 
@@ -97,7 +94,7 @@ def is_saved_array(value: Any) -> bool:
 
 
 def is_torch_tensor(value: Any) -> bool:
-    torch = _torch()
+    torch = loaded_torch()
     return torch is not None and isinstance(value, torch.Tensor)
 
 
@@ -114,7 +111,7 @@ def is_sharded_tensor(value: Any) -> bool:
 def _array_properties(arr: np.ndarray) -> TensorProperties:
     name = numpy_dtype_name(arr.dtype)
     assert name is not None
-    dtype: Any = TorchName(name).resolve() if _torch() is not None else TorchName(name)
+    dtype: Any = TorchName(name).resolve() if loaded_torch() is not None else TorchName(name)
     return TensorProperties(dtype=dtype)
 
 

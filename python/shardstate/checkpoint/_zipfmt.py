@@ -23,9 +23,10 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
+
+from .._util import contiguous_strides
 
 __all__ = [
     "DTYPES",
@@ -39,7 +40,7 @@ __all__ = [
     "tensor_record",
 ]
 
-BytesLike = Union[bytes, bytearray, memoryview, np.ndarray]
+BytesLike = bytes | bytearray | memoryview | np.ndarray
 
 
 class RecordFormatError(ValueError):
@@ -391,14 +392,6 @@ class TensorRecordPlan:
         return self.data_offset + self.data_length + len(self.trailer(0))
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
 def plan_tensor_record(
     dtype: str,
     shape: Sequence[int],
@@ -413,7 +406,7 @@ def plan_tensor_record(
     a view produces."""
     dt = _dtype(dtype)
     shape = tuple(int(n) for n in shape)
-    stride = _contiguous_stride(shape) if stride is None else tuple(int(s) for s in stride)
+    stride = contiguous_strides(shape) if stride is None else tuple(int(s) for s in stride)
     if len(stride) != len(shape):
         raise ValueError(f"stride {stride} does not match shape {shape}")
     if any(n < 0 for n in shape) or any(s < 0 for s in stride):

@@ -75,6 +75,7 @@ import numpy as np
 
 from .. import io as ssio
 from .._core import ChecksumError, ShardstateError, crc32_combine
+from .._util import contiguous_strides, import_torch, is_contiguous
 from ._pickle import (
     PickleFormatError,
     UnsafePickleError,
@@ -131,12 +132,6 @@ class SerializationFormat(Enum):
 @dataclass
 class _StoragePrefix:
     prefix: str
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 # --------------------------------------------------------------------------
@@ -215,7 +210,7 @@ def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
 
 def _storage_bytes(t: Any) -> np.ndarray:
     """A zero-copy uint8 view of a CPU tensor's whole storage."""
-    torch = _torch()
+    torch = import_torch()
     st = t.untyped_storage()
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
 
@@ -225,7 +220,7 @@ def _region_bytes(t: Any) -> np.ndarray:
     ndarray's) elements."""
     if isinstance(t, np.ndarray):
         return t.reshape(-1).view(np.uint8)
-    return t.reshape(-1).view(_torch().uint8).numpy()
+    return t.reshape(-1).view(import_torch().uint8).numpy()
 
 
 def _numpy_region(rec: Any, data: np.ndarray, offsets: Any, lengths: Any) -> np.ndarray:
@@ -249,7 +244,7 @@ def _prepare_tensor(t: Any, keep_device: bool = False) -> Any:
     the CPU (or, with keep_device, where it is), cloned when its storage
     holds more than its own bytes (the caller writes a contiguous one's
     elements itself, without the clone)."""
-    torch = _torch()
+    torch = import_torch()
     t = t.detach()
     if t.layout != torch.strided:
         raise NotImplementedError(f"saving a {t.layout} tensor is not supported")
@@ -271,7 +266,7 @@ def _dense_as_clone(t: Any) -> bool:
     """Whether t's elements fill one range of its storage in the order
     ``t.clone()`` would lay them out (same strides as the clone's, found
     without allocating)."""
-    return tuple(t.stride()) == tuple(_torch().empty_like(t, device="meta").stride())
+    return tuple(t.stride()) == tuple(import_torch().empty_like(t, device="meta").stride())
 
 
 # CUDA tensors are saved through a pipeline of pinned buffers (one Stage per
@@ -285,7 +280,7 @@ _cuda_stages: dict[int, Any] = {}
 def _cuda_stage(device: Any) -> Any:
     """The process's Stage for a CUDA device, or None when the CUDA runtime
     cannot be loaded (the tensor is then copied to the CPU, as torch does)."""
-    index = device.index if device.index is not None else _torch().cuda.current_device()
+    index = device.index if device.index is not None else import_torch().cuda.current_device()
     if index not in _cuda_stages:
         from .. import cuda as sscuda
 
@@ -302,7 +297,7 @@ def _cuda_stage(device: Any) -> Any:
 
 def _device_bytes(t: Any, start: int, nbytes: int) -> Any:
     """A uint8 CUDA tensor over bytes [start, start + nbytes) of t's storage."""
-    torch = _torch()
+    torch = import_torch()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         t.untyped_storage(), start, (nbytes,), (1,))
 
@@ -594,7 +589,7 @@ class FileSystemWriter(StorageWriter):
         stream = None
         if stage is not None:
             # the d2h copies start after the kernels queued so far
-            stream = _torch().cuda.current_stream(stage_device).cuda_stream
+            stream = import_torch().cuda.current_stream(stage_device).cuda_stream
         crcs = ssio.write(jobs, fsync=False, checksum=True, writeback=self.sync_files,
                           stage=stage, stream=stream) if jobs else []
         del keep
@@ -688,23 +683,6 @@ def _validate_checkpoint_id(checkpoint_id: str | os.PathLike) -> bool:
 # --------------------------------------------------------------------------
 # Reader
 # --------------------------------------------------------------------------
-
-
-def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    acc = 1
-    for n, s in zip(reversed(shape), reversed(stride)):
-        if n != 1 and s != acc:
-            return False
-        acc *= n
-    return True
-
-
-def _contig_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -1291,7 +1269,7 @@ class FileSystemReader(StorageReader):
         crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
         if tail != trailer(crc):
             return None
-        return _Rec(dtype.removeprefix("torch."), shape, _contig_stride(shape), 0,
+        return _Rec(dtype.removeprefix("torch."), shape, contiguous_strides(shape), 0,
                     off + dofs, dlen, crc)
 
     def _parse(self, reqs: list[_Req]) -> list[_Rec]:
@@ -1413,7 +1391,8 @@ class FileSystemReader(StorageReader):
             batch, pos = [], 0
             for i, p, ln in rest[k : k + n]:
                 r, rec = items[i][0], items[i][1]
-                batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p, scratch[pos : pos + ln]))
+                batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p,
+                                          scratch[pos : pos + ln]))
                 pos += ln
             self.read_stats["storage_bytes"] += used
             for (i, p, _ln), c in zip(rest[k : k + n], ssio.read(batch, checksum=True)):
@@ -1535,7 +1514,7 @@ def _direct_bytes(dest: Any, rec: _Rec, r: _Req) -> np.ndarray | None:
     """``dest``'s own bytes when the region ``r`` reads is the whole record
     and ``dest`` is a contiguous CPU tensor or array of its dtype (the
     chunk can be read or received straight into it); else None."""
-    if rec.storage_offset or not _contiguous(rec.shape, rec.stride) or not rec.data_length:
+    if rec.storage_offset or not is_contiguous(rec.shape, rec.stride) or not rec.data_length:
         return None
     if tuple(int(o) for o in r.item.storage_offsets) != (0,) * len(rec.shape) or \
             tuple(int(n) for n in r.item.lengths) != tuple(rec.shape):
@@ -1673,14 +1652,14 @@ def _slab(
     record's data when the record is dense row-major and the region is one
     contiguous range of it (the whole chunk, or a slab along its first
     non-unit dimension); None otherwise."""
-    if rec.storage_offset or not _contiguous(rec.shape, rec.stride):
+    if rec.storage_offset or not is_contiguous(rec.shape, rec.stride):
         return None
     d = len(rec.shape) - 1
     while d >= 0 and offs[d] == 0 and lengths[d] == rec.shape[d]:
         d -= 1
     if any(lengths[i] != 1 for i in range(d)):
         return None
-    stride = _contig_stride(rec.shape)
+    stride = contiguous_strides(rec.shape)
     count = 1
     for n in lengths:
         count *= n

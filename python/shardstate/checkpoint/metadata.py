@@ -17,11 +17,12 @@ dtype, layout and memory format are :class:`TorchName` strings such as
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from .._util import loaded_torch
 
 __all__ = [
     "BytesStorageMetadata",
@@ -52,14 +53,9 @@ class TorchName(str):
         return obj
 
 
-def _torch() -> Any:
-    """torch if it is already imported, else None (never imports it)."""
-    return sys.modules.get("torch")
-
-
 def _size(values: Sequence[int]) -> tuple[int, ...]:
     """torch.Size when torch is loaded, else a tuple of ints."""
-    torch = _torch()
+    torch = loaded_torch()
     if torch is not None and type(values) is torch.Size:
         return values
     values = tuple(int(v) for v in values)
@@ -98,22 +94,22 @@ _MEM_FORMAT_NAME = {v: k for k, v in _MEM_FORMAT_BY_NAME.items()}
 
 
 def _default_dtype() -> Any:
-    torch = _torch()
+    torch = loaded_torch()
     return torch.get_default_dtype() if torch is not None else TorchName("torch.float32")
 
 
 def _default_layout() -> Any:
-    torch = _torch()
+    torch = loaded_torch()
     return torch.strided if torch is not None else TorchName("torch.strided")
 
 
 def _default_memory_format() -> Any:
-    torch = _torch()
+    torch = loaded_torch()
     return torch.contiguous_format if torch is not None else TorchName("torch.contiguous_format")
 
 
 def _torch_or_name(name: str) -> Any:
-    torch = _torch()
+    torch = loaded_torch()
     return TorchName(name).resolve() if torch is not None else TorchName(name)
 
 
@@ -143,7 +139,7 @@ class TensorProperties:
 
     @staticmethod
     def create_from_tensor(tensor: Any) -> TensorProperties:
-        torch = _torch()
+        torch = loaded_torch()
         return TensorProperties(
             dtype=tensor.dtype,
             layout=tensor.layout,

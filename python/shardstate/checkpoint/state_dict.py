@@ -62,7 +62,6 @@ Importing this module imports torch.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -89,6 +88,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .._util import gc_paused
 
 __all__ = [
     "FQNS_T",
@@ -179,18 +180,6 @@ class _TensorInfo(NamedTuple):
 
     size: torch.Size
     dtype: torch.dtype
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    # Many short-lived containers: a collection in the middle only costs time.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # --------------------------------------------------------------------------- FQNs
@@ -1217,7 +1206,7 @@ def get_model_state_dict(
     options: StateDictOptions | None = None,
 ) -> dict[str, ValueType]:
     """The model's state dict keyed by canonical FQN (see :func:`get_state_dict`)."""
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         info = _make_info(model, (), optim_only=False, submodules=submodules, options=options)
         model_sd = _get_model_state_dict(model, info)
         _check_state_dicts(model_sd, {}, info)
@@ -1232,7 +1221,7 @@ def get_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> OptimizerStateType:
     """The optimizers' combined state dict keyed by FQN (see :func:`get_state_dict`)."""
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         optims = _as_tuple(optimizers)
         info = _make_info(model, optims, optim_only=True, submodules=submodules, options=options)
         optim_sd = _get_optim_state_dict(model, optims, info)
@@ -1255,7 +1244,7 @@ def get_state_dict(
     The optimizers' state has not to exist yet: it is created first (one
     step with zero gradients and learning rate), as torch does.
     """
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         optims = _as_tuple(optimizers)
         info = _make_info(model, optims, optim_only=False, submodules=submodules, options=options)
         model_sd = _get_model_state_dict(model, info)
@@ -1296,7 +1285,7 @@ def set_model_state_dict(
     """Load an FQN-keyed model state dict; returns ``missing_keys`` and
     ``unexpected_keys`` as ``load_state_dict`` does."""
     model_state_dict = _from_submodule_keys(model, model_state_dict)
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         info = _make_info(model, (), optim_only=False, options=options)
         _check_state_dicts(model_state_dict, {}, info)
         return _load_model_state_dict(model, model_state_dict, info)
@@ -1311,7 +1300,7 @@ def set_optimizer_state_dict(
 ) -> None:
     """Load an FQN-keyed optimizer state dict (nested or flattened) into
     ``optimizers``. Call it before ``backward()`` or after ``step()``."""
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         optims = _as_tuple(optimizers)
         info = _make_info(model, optims, optim_only=True, options=options)
         _check_state_dicts({}, optim_state_dict, info)
@@ -1329,7 +1318,7 @@ def set_state_dict(
     """Load what :func:`get_state_dict` returned (or any state dicts keyed
     by canonical FQN, sharded tensors as DTensor / ShardedTensor)."""
     model_state_dict = _from_submodule_keys(model, model_state_dict)
-    with _gc_paused(), torch.no_grad():
+    with gc_paused(), torch.no_grad():
         optims = _as_tuple(optimizers)
         # With broadcast_from_rank0 the other ranks pass {} and still load the
         # model (torch 2.13 skips it there, and its broadcasts then mismatch).
