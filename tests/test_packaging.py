@@ -13,7 +13,6 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 import shardstate
 
 ROOT = Path(__file__).resolve().parents[1]
