@@ -69,7 +69,7 @@ def main() -> None:
     import shardstate.checkpoint as sdcp
     import torch
     import torch.distributed.checkpoint as tdcp
-    from shardstate.checkpoint import filesystem as ssfs
+    from shardstate.checkpoint import _fs_write
 
     total = int(args.gb * 1e9)
     sd = _state(total, torch)
@@ -110,7 +110,8 @@ def main() -> None:
     t_save = statistics.median(res["torch"]["save"])
     t_load = statistics.median(res["torch"]["load"])
     print(f"torch save throughput {nbytes / t_save / 1e9:.2f} GB/s")
-    pinned = sum(s.buffers * s.buffer_size for s in ssfs._cuda_stages.values() if s is not None)
+    pinned = sum(s.buffers * s.buffer_size
+                 for s in _fs_write._cuda_stages.values() if s is not None)
     print(f"pinned host memory held by shardstate's staging: {pinned / 2**20:.0f} MiB")
     a, b = (statistics.median(res[n]["async block"]) for n in ("torch", "shardstate"))
     load = statistics.median(res["shardstate"]["load"])

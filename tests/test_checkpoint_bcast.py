@@ -28,6 +28,7 @@ import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
 from _dtypes import seeded
+from shardstate.checkpoint import _fs_bcast
 from shardstate.checkpoint import filesystem as fs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -123,13 +124,13 @@ def _load(rank: int, world: int, root: str) -> dict:
                                               ("on1", True, 1)):
                 sd = _state(mesh, target, zero=True)
                 reader = fs.FileSystemReader(f"{root}/{ck}", broadcast_shared_reads=option)
-                saved = fs._BCAST_ROUND
+                saved = _fs_bcast._BCAST_ROUND
                 if round_bytes is not None:
-                    fs._BCAST_ROUND = round_bytes
+                    _fs_bcast._BCAST_ROUND = round_bytes
                 try:
                     dcp.load(sd, storage_reader=reader)
                 finally:
-                    fs._BCAST_ROUND = saved
+                    _fs_bcast._BCAST_ROUND = saved
                 ok = {n: _same(_value(sd[n]), _full(n)) for n in _names(target)}
                 out[(ck, target, mode)] = (ok, dict(reader.read_stats))
     dist.barrier()
@@ -239,13 +240,13 @@ def _errors(rank: int, world: int, root: str) -> dict:
              sd: dict | None = None) -> dict:
         sd = _state(mesh, target, zero=True) if sd is None else sd
         reader = fs.FileSystemReader(f"{root}/{ck}", broadcast_shared_reads=True)
-        saved = fs._BCAST_ROUND
+        saved = _fs_bcast._BCAST_ROUND
         if round_bytes is not None:
-            fs._BCAST_ROUND = round_bytes
+            _fs_bcast._BCAST_ROUND = round_bytes
         try:
             dcp.load(sd, storage_reader=reader, planner=planner)
         finally:
-            fs._BCAST_ROUND = saved
+            _fs_bcast._BCAST_ROUND = saved
         res.setdefault("stats", []).append(dict(reader.read_stats))
         return sd
 
@@ -366,8 +367,8 @@ def test_schedule_balances_and_bounds_rounds(tmp_path, monkeypatch):
     planner.set_up_planner({n: torch.zeros_like(v) for n, v in sd.items()}, md, True)
     reader.set_up_storage_reader(md, True)
     plan = planner.create_local_plan()
-    reader._enable_broadcast(SimpleNamespace(use_dist=True, world_size=3, rank=0))
-    monkeypatch.setattr(fs, "_BCAST_ROUND", 3500)
+    reader.load_collectives(SimpleNamespace(use_dist=True, world_size=3, rank=0))
+    monkeypatch.setattr(_fs_bcast, "_BCAST_ROUND", 3500)
     out = reader.prepare_global_plan([plan, plan, plan])
     sched = out[0].storage_data.bcast
     assert all(p.storage_data.bcast == sched for p in out)
@@ -384,7 +385,7 @@ def test_schedule_balances_and_bounds_rounds(tmp_path, monkeypatch):
     for r in range(2):
         items = [dataclasses_replace(it, r) for it in plan.items if it.dest_index.fqn == "a"]
         halves.append(SimpleNamespace(items=items, storage_data=None, planner_data=None))
-    assert reader._plan_broadcast(halves) is None
+    assert _fs_bcast.plan_broadcast(halves, reader._records) is None
 
 
 def dataclasses_replace(item: Any, half: int) -> Any:

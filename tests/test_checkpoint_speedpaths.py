@@ -22,8 +22,8 @@ import pytest
 import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
+from shardstate.checkpoint import _fs_verify as fsv
 from shardstate.checkpoint import _staging
-from shardstate.checkpoint import filesystem as fs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -57,13 +57,13 @@ def _load_sharded(rank: int, world: int, root: str) -> dict:
                              ("replicate", Replicate())):
         sd = {n: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [place]) for n in ("w", "v")}
         seen: list[list] = []
-        real = fs.verify_pieces
+        real = fsv.verify_pieces
 
         def spy(gathered, real=real, seen=seen):
             seen.append(gathered)
             return real(gathered)
 
-        fs.verify_pieces = spy
+        fsv.verify_pieces = spy
         out: dict = {}
         try:
             dcp.load(sd, checkpoint_id=root)
@@ -71,7 +71,7 @@ def _load_sharded(rank: int, world: int, root: str) -> dict:
         except dcp.CheckpointException as e:
             out["failed"] = (sorted(e.failures), str(e))
         finally:
-            fs.verify_pieces = real
+            fsv.verify_pieces = real
         out["pieces"] = sum(len(p or ()) for g in seen for p in g)
         results[placement] = out
     return results
@@ -113,15 +113,15 @@ def test_reshard_2_to_3_verifies_split_records_together(tmp_path, run_distribute
 def test_covers_rule():
     size = (6, 4)
     whole = ((0, 0), (6, 4))
-    assert fs._covers({whole}, size)
-    assert fs._covers({((0, 0), (2, 4)), ((2, 0), (4, 4))}, size)
-    assert fs._covers({((0, 0), (6, 1)), ((0, 1), (6, 3))}, size)
-    assert fs._covers({((0, 0), (3, 4)), whole}, size)  # one rank reads it all
-    assert not fs._covers({((0, 0), (2, 4)), ((3, 0), (3, 4))}, size)  # gap at row 2
+    assert fsv._covers({whole}, size)
+    assert fsv._covers({((0, 0), (2, 4)), ((2, 0), (4, 4))}, size)
+    assert fsv._covers({((0, 0), (6, 1)), ((0, 1), (6, 3))}, size)
+    assert fsv._covers({((0, 0), (3, 4)), whole}, size)  # one rank reads it all
+    assert not fsv._covers({((0, 0), (2, 4)), ((3, 0), (3, 4))}, size)  # gap at row 2
     # overlapping regions whose volumes happen to add up
-    assert not fs._covers({((0, 0), (4, 4)), ((3, 0), (2, 4))}, size)
-    assert not fs._covers({((0, 0), (4, 4)), ((4, 0), (3, 4))}, size)  # runs past the chunk
-    assert not fs._covers(set(), size)
+    assert not fsv._covers({((0, 0), (4, 4)), ((3, 0), (2, 4))}, size)
+    assert not fsv._covers({((0, 0), (4, 4)), ((4, 0), (3, 4))}, size)  # runs past the chunk
+    assert not fsv._covers(set(), size)
 
 
 def _piece(rank_key, start, count, data, crc_all):
@@ -138,18 +138,18 @@ def test_verify_pieces_combines_and_names_ranks():
     good = zlib.crc32(data)
     key = ("w", (0,))
     parts = [[_piece(key, 0, 1000, data, good)], [_piece(key, 1000, 1560, data, good)], []]
-    fs.verify_pieces(parts)  # combines to the record's CRC
+    fsv.verify_pieces(parts)  # combines to the record's CRC
     bad = data[:1500] + b"\x00" + data[1501:]
     parts = [[_piece(key, 0, 1000, data, good)], [_piece(key, 1000, 1560, bad, good)], []]
     with pytest.raises(dcp.CheckpointException) as ei:
-        fs.verify_pieces(parts)
+        fsv.verify_pieces(parts)
     assert sorted(ei.value.failures) == [0, 1]
     assert "ChecksumError" in str(ei.value) and "read in parts by ranks [0, 1]" in str(ei.value)
     gap = [[_piece(key, 0, 1000, data, good)], [_piece(key, 1200, 1360, data, good)]]
     with pytest.raises(dcp.CheckpointException, match="do not tile"):
-        fs.verify_pieces(gap)
+        fsv.verify_pieces(gap)
     # a rank that read (and itself verified) the whole record settles it
-    fs.verify_pieces([[_piece(key, 0, 1000, bad, good)], [_piece(key, 0, 2560, data, good)]])
+    fsv.verify_pieces([[_piece(key, 0, 1000, bad, good)], [_piece(key, 0, 2560, data, good)]])
 
 
 # ---------------------------------------------------------------------------

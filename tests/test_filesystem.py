@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dtypes import DTYPES, seeded
 from shardstate import ChecksumError
+from shardstate.checkpoint import _fs_read, _records
 from shardstate.checkpoint import filesystem as fs
 from shardstate.checkpoint.filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
 from shardstate.checkpoint.storage import StorageReader, StorageWriter
@@ -437,13 +438,13 @@ def test_record_fast_path_agrees_with_parser(tmp_path):
     for idx, info in md.storage_data.items():
         if not hasattr(md.state_dict_metadata[idx.fqn], "chunks"):
             continue
-        f = fs._File(info.relative_path, str(tmp_path / info.relative_path),
+        f = _records._File(info.relative_path, str(tmp_path / info.relative_path),
                      (tmp_path / info.relative_path).stat().st_size)
         item = type("Item", (), {"storage_index": idx, "dest_index": idx})()
-        req = fs._Req(item, info, f)
+        req = _records._Req(item, info, f)
         with open(f.path, "rb") as fh:
             mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
-        fast, parsed = reader._expected(mm, req), fs._parsed(mm, req)
+        fast, parsed = reader._records.expected(mm, req), _records._parsed(mm, req)
         mm.close()
         if fast is None:
             misses += 1
@@ -486,7 +487,7 @@ def _read_region(path: Path, offsets, lengths, dest: torch.Tensor, **kw) -> _Pla
 def test_partial_reads_are_checked_whole(tmp_path, monkeypatch):
     w = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64)
     dcp.save({"w": w}, storage_writer=FileSystemWriter(tmp_path))
-    monkeypatch.setattr(fs, "_PIECE", 1000)  # the unread rest in several pieces
+    monkeypatch.setattr(_fs_read, "_PIECE", 1000)  # the unread rest in several pieces
     # A slab along dim 0 lands straight in the destination; a box along
     # dim 1 goes through scratch.
     for offs, lens in (((3, 0), (4, 64)), ((39, 0), (1, 64)), ((0, 1), (40, 2)), ((5, 7), (1, 9))):

@@ -1,11 +1,12 @@
-"""load and the deprecated load_state_dict."""
+"""load and the deprecated load_state_dict, and the protocol through which a
+storage reader takes part in a load's collective steps (LoadCollectives)."""
 
 from __future__ import annotations
 
 import inspect
 import os
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
@@ -74,36 +75,57 @@ def _read_metadata(reader: Any, rank: int) -> tuple[Any, bool]:
                 f"without collectives: {rank_exc}") from None
 
 
+class LoadCollectives(Protocol):
+    """A storage reader's part in the collective steps of one load over a
+    process group of 2+ ranks. The loader asks for it with the reader's
+    ``load_collectives(coord)`` (``coord``: the load's ``_Coordinator``),
+    if the reader has that method, on every rank before planning; a reader
+    without it, or one that returns None, is driven as torch drives it.
+
+    ``FileSystemReader`` uses it to verify records split between ranks
+    together and to read shared chunks once and broadcast them; its
+    ``prepare_global_plan`` leaves what it planned in ``storage_data``."""
+
+    def arm(self, storage_data: Any) -> None:
+        """The central plan's ``storage_data``, before ``planner.finish_plan``
+        (which may drop it)."""
+
+    def abort(self) -> None:
+        """``finish_plan`` raised on this rank: ``read_data`` will not run;
+        take part in whatever the other ranks wait for, as failed."""
+
+    def pieces(self) -> Any:
+        """After ``read_data``: what this rank contributes to ``verify``."""
+
+    def verify(self, gathered: list[Any]) -> None:
+        """On every rank, every rank's ``pieces()`` in rank order; raises
+        (the same on every rank) when the load's data is bad."""
+
+    def done(self) -> None:
+        """The load is over, whether it succeeded or not."""
+
+
 def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
                      planner: Any, local_error: BaseException | None = None) -> None:
     """``local_error``: this rank already failed; it is raised in the
     planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_load_planner()
-    # Our file-system reader can let the ranks verify a record's checksum
-    # together when their reads cover it (each byte read once): it needs the
-    # pieces gathered after the reads, which this loader does.
-    shared_verify = coord.use_dist and coord.world_size > 1 and \
-        hasattr(reader, "_enable_shared_verify")
-    if shared_verify:
-        reader._enable_shared_verify()
-    # It can also read a chunk several ranks need once and broadcast it
-    # over the group (if its broadcast_shared_reads option says so); then
-    # every rank must run the broadcast rounds, even one that fails first.
-    exchange = coord.use_dist and coord.world_size > 1 and hasattr(reader, "_enable_broadcast")
-    if exchange:
-        reader._enable_broadcast(coord)
-        try:
-            _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, True)
-        finally:
-            reader._enable_broadcast(None)  # not for a later load by someone else
+    hook = getattr(reader, "load_collectives", None)
+    collectives = hook(coord) if hook is not None and coord.use_dist and \
+        coord.world_size > 1 else None
+    if collectives is None:
+        _plan_and_read(state_dict, reader, coord, planner, local_error, None)
         return
-    _plan_and_read(state_dict, reader, coord, planner, local_error, shared_verify, False)
+    try:
+        _plan_and_read(state_dict, reader, coord, planner, local_error, collectives)
+    finally:
+        collectives.done()
 
 
 def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator, planner: Any,
-                   local_error: BaseException | None, shared_verify: bool,
-                   exchange: bool) -> None:
+                   local_error: BaseException | None,
+                   collectives: LoadCollectives | None) -> None:
     def local_step() -> Any:
         if local_error is not None:
             raise local_error
@@ -122,24 +144,22 @@ def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
     central_plan = coord.reduce_scatter("plan", local_step, global_step)
 
     def read_data() -> Any:
-        if exchange:
-            reader._arm(getattr(central_plan, "storage_data", None))
+        if collectives is None:
+            plan = planner.finish_plan(central_plan)
+        else:
+            collectives.arm(getattr(central_plan, "storage_data", None))
             try:
                 plan = planner.finish_plan(central_plan)
             except BaseException:
-                reader._abort_exchange()
+                collectives.abort()  # the other ranks may wait for this one
                 raise
-        else:
-            plan = planner.finish_plan(central_plan)
         futures = reader.read_data(plan, planner)
         futures.wait()
-        return reader._take_pieces() if shared_verify else None
+        return None if collectives is None else collectives.pieces()
 
     pieces = coord.all_gather("read", read_data)
-    if shared_verify:
-        from .filesystem import verify_pieces
-
-        verify_pieces(pieces)
+    if collectives is not None:
+        collectives.verify(pieces)
 
 
 def load_state_dict(

@@ -1,0 +1,370 @@
+"""Reading located records into a load's destinations (``_Reads``).
+
+Tensor bytes are read by one ``shardstate.io.read`` batch straight into the
+destination whenever the requested region is one contiguous range of a
+dense record and the destination is a contiguous CPU tensor (or, through
+the staging pipeline, CUDA tensor) of the same dtype; otherwise the record's
+storage is read into bounded scratch batches and copied. CRC-32s are checked
+by the engine as it reads; for a region that is only part of a record, the
+rest is read in bounded pieces for its CRC only and the CRCs are combined,
+so every record read is checked whole (``verify_checksums=False`` skips all
+of it), unless the ranks verify that record together (its key is in
+``shared``): then the part read is recorded as a piece for
+``_fs_verify.verify_pieces``. Bytes items are checked (CRC-32s, allowed
+globals) before ``planner.load_bytes`` sees them.
+
+Known limit: adjacent small reads are not coalesced (the engine runs them
+in parallel).
+
+Thread safety: a ``_Reads`` serves one ``read_data`` call.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import zipfile
+from typing import Any
+
+import numpy as np
+
+from .. import io as ssio
+from .._core import ChecksumError, crc32_combine
+from .._util import contiguous_strides, import_torch, is_contiguous
+from ._fs_write import _cuda_stage, _device_bytes
+from ._pickle import PickleFormatError, UnsafePickleError, loads_object
+from ._records import StorageFormatError, _index_key, _Rec, _Records, _Req
+from ._tensors import numpy_dtype, numpy_dtype_name
+
+# Scratch memory a load may hold at once for items that cannot be read in place.
+_SCRATCH_BUDGET = 256 << 20
+# Pieces in which the unread rest of a partly read record is checksummed.
+_PIECE = 16 << 20
+
+
+def _new_stats() -> dict[str, int]:
+    return {"storage_bytes": 0, "broadcast_sent": 0, "broadcast_received": 0}
+
+
+def _check_bytes_record(record: bytes, where: str) -> None:
+    """Checks a bytes item (a torch.save zip) before any planner sees it:
+    every entry's CRC-32, then a restricted load of its pickle (the same
+    allowlist our planner's load_bytes uses). Raises ChecksumError or
+    StorageFormatError; nothing from a refused item is imported or called."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(record))
+        for n in zf.namelist():
+            zf.read(n)  # zipfile checks each entry's CRC-32
+    except zipfile.BadZipFile as e:
+        if "CRC" in str(e):
+            raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
+        raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
+    try:
+        loads_object(record)
+    except (UnsafePickleError, PickleFormatError) as e:
+        raise StorageFormatError(
+            f"{where}: bytes item refused: {e} (pass unsafe_unpickle=True to "
+            "FileSystemReader to load it anyway)") from e
+
+
+def _region_bytes(t: Any) -> np.ndarray:
+    """A writable zero-copy uint8 view of a contiguous CPU tensor's (or
+    ndarray's) elements."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1).view(np.uint8)
+    return t.reshape(-1).view(import_torch().uint8).numpy()
+
+
+def _numpy_region(rec: Any, data: np.ndarray, offsets: Any, lengths: Any) -> np.ndarray:
+    """The box offsets/lengths of a record's data, as a NumPy view of the
+    scratch bytes (for NumPy destinations, without torch)."""
+    dt = numpy_dtype(f"torch.{rec.dtype}")
+    if dt is None:
+        raise StorageFormatError(
+            f"a {rec.dtype} tensor cannot be loaded into a NumPy array (NumPy has no such "
+            "dtype); load it into a torch tensor")
+    if not data.nbytes:
+        src = np.empty(rec.shape, dt)
+    else:
+        src = np.ndarray(rec.shape, dt, buffer=data, offset=rec.storage_offset * dt.itemsize,
+                         strides=[st * dt.itemsize for st in rec.stride])
+    return src[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets, lengths))]
+
+
+def _copy_out(r: _Req, rec: _Rec, data: np.ndarray, dest: Any) -> None:
+    """Copies the region ``r`` reads out of a record's storage bytes
+    ``data`` into ``dest``: NumPy destinations by NumPy, tensors of the
+    record's dtype on the CPU by the C ``copy_region`` (GIL released), any
+    other by torch's ``copy_`` (dtype or device conversion)."""
+    if isinstance(dest, np.ndarray):
+        dest[...] = _numpy_region(rec, data, r.item.storage_offsets, r.item.lengths)
+        return
+    torch = sys.modules["torch"]  # loaded whenever a destination is a tensor
+    dt = getattr(torch, rec.dtype)
+    src = torch.from_numpy(data).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
+    src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
+    offs = [int(o) for o in r.item.storage_offsets]
+    lens = [int(n) for n in r.item.lengths]
+    if (dest.device.type == "cpu" and dest.dtype == dt and src.dim() >= 1
+            and dest.numel() and all(st >= 0 for st in src.stride())):
+        from ..geometry import copy_region
+
+        copy_region(dest, [0] * len(lens), src, offs, lens)
+        return
+    for d, (o, ln) in enumerate(zip(offs, lens)):
+        src = src.narrow(d, o, ln)
+    dest.copy_(src)
+
+
+def _crc_message(r: _Req, rec: _Rec) -> str:
+    return (
+        f"CRC-32 mismatch in {r.where()}: the tensor data at file offset {rec.data_offset} "
+        f"({rec.data_length} bytes) does not match the CRC {rec.data_crc32:08x} stored in "
+        "its record"
+    )
+
+
+def _slab(
+    rec: _Rec, offs: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> tuple[int, int] | None:
+    """(byte offset, byte count) of the region ``offs``/``lengths`` inside a
+    record's data when the record is dense row-major and the region is one
+    contiguous range of it (the whole chunk, or a slab along its first
+    non-unit dimension); None otherwise."""
+    if rec.storage_offset or not is_contiguous(rec.shape, rec.stride):
+        return None
+    d = len(rec.shape) - 1
+    while d >= 0 and offs[d] == 0 and lengths[d] == rec.shape[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    stride = contiguous_strides(rec.shape)
+    count = 1
+    for n in lengths:
+        count *= n
+    start = sum(o * s for o, s in zip(offs, stride)) * itemsize
+    if start + count * itemsize > rec.data_length:
+        return None
+    return start, count * itemsize
+
+
+class _CudaDest:
+    """Which CUDA destinations a load reads into through the staging
+    pipeline (pinned buffers, then host-to-device copies straight into
+    them): those of the first device seen, when the CUDA runtime loads (the
+    rest go through host memory). One per load."""
+
+    def __init__(self) -> None:
+        self.device: Any = None
+        self.stage: Any = None
+
+    def direct(self, dest: Any) -> bool:
+        if not getattr(dest, "is_cuda", False):
+            return False
+        if self.device is None:
+            self.device, self.stage = dest.device, _cuda_stage(dest.device)
+        return self.stage is not None and dest.device == self.device
+
+
+class _Reads:
+    """One ``read_data``'s reads: ``stats`` counts the storage bytes read
+    (the broadcast counts are the exchange's), ``pieces`` collects the
+    checksummed parts of the shared chunks (keys in ``shared``)."""
+
+    def __init__(self, records: _Records, verify: bool, unsafe_unpickle: bool,
+                 cuda: _CudaDest, shared: frozenset = frozenset()) -> None:
+        self.records = records
+        self.verify = verify
+        self.unsafe_unpickle = unsafe_unpickle
+        self.cuda = cuda
+        self.shared = shared
+        self.stats = _new_stats()
+        self.pieces: list[tuple] = []
+
+    def local(self, reqs: list[_Req], planner: Any) -> None:
+        """Reads these items from storage and commits them to the planner."""
+        byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
+        tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
+        if byte_reqs:
+            self._bytes(byte_reqs, planner)
+        if tensor_reqs:
+            self._tensors(tensor_reqs, planner)
+
+    def _bytes(self, reqs: list[_Req], planner: Any) -> None:
+        """Reads every bytes item in one batch, checks each record (CRC-32s,
+        allowed globals) and hands it to ``planner.load_bytes``."""
+        bufs = [bytearray(r.info.length) for r in reqs]
+        self.stats["storage_bytes"] += sum(len(b) for b in bufs)
+        ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b) for r, b in zip(reqs, bufs)],
+                  checksum=False)
+        for r, b in zip(reqs, bufs):
+            record = bytes(b)
+            if not self.unsafe_unpickle:
+                _check_bytes_record(record, r.where())
+            planner.load_bytes(r.item, io.BytesIO(record))
+
+    def _tensors(self, reqs: list[_Req], planner: Any) -> None:
+        infos = self.records.parse(reqs)
+        # (req, record, destination, (byte offset, byte count) in the record's
+        # data) for regions read straight into their destination.
+        direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
+        staged: list[tuple[_Req, _Rec, Any]] = []
+        for r, rec in zip(reqs, infos):
+            dest = planner.resolve_tensor(r.item)
+            if not isinstance(dest, np.ndarray):
+                dest = dest.detach()
+            lengths = tuple(int(n) for n in r.item.lengths)
+            offs = tuple(int(o) for o in r.item.storage_offsets)
+            if tuple(dest.shape) != lengths:
+                raise StorageFormatError(
+                    f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
+                    f"{lengths}"
+                )
+            if len(offs) != len(rec.shape) or any(
+                o + n > s for o, n, s in zip(offs, lengths, rec.shape)
+            ):
+                raise StorageFormatError(
+                    f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
+                    f"saved chunk of shape {rec.shape}"
+                )
+            span = None
+            if isinstance(dest, np.ndarray):
+                if (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"
+                        and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}"):
+                    span = _slab(rec, offs, lengths, dest.itemsize)
+            elif (
+                str(dest.dtype) == f"torch.{rec.dtype}"
+                and dest.is_contiguous()
+                and (dest.device.type == "cpu" or self.cuda.direct(dest))
+            ):
+                span = _slab(rec, offs, lengths, dest.element_size())
+            if span is None:
+                staged.append((r, rec, dest))
+            else:
+                direct.append((r, rec, dest, span))
+        self._direct(direct)
+        for r, _rec, dest, _span in direct:
+            planner.commit_tensor(r.item, dest)
+        self._staged(staged, planner)
+
+    def _direct(self, items: list[tuple[_Req, _Rec, Any, tuple[int, int]]]) -> None:
+        """One batch reads every region straight into its destination. A
+        whole record's CRC is checked by the engine; for part of a record the
+        rest of it is read (in bounded pieces, checksummed only) and the
+        pieces' CRCs combined."""
+        items = [x for x in items if x[3][1]]
+        verify = self.verify
+        jobs, whole = [], []
+        for r, rec, dest, (start, count) in items:
+            is_whole = count == rec.data_length
+            whole.append(is_whole)
+            on_device = getattr(dest, "is_cuda", False)
+            out = (_device_bytes(dest, dest.storage_offset() * dest.element_size(), dest.nbytes)
+                   if on_device else _region_bytes(dest))
+            jobs.append(ssio.ReadJob(r.file.path, rec.data_offset + start, out,
+                                     rec.data_crc32 if verify and is_whole else None,
+                                     device=on_device))
+        partial = verify and not all(whole)
+        crcs = self.run(jobs, [(r, rec) for r, rec, _d, _s in items], checksum=partial)
+        if not verify:
+            return
+        shared = [self._is_shared(r) for r, _rec, _d, _s in items]
+        for i, (r, rec, _d, (start, count)) in enumerate(items):
+            if shared[i]:
+                self._add_piece(r, rec, start, count, rec.data_crc32 if whole[i] else crcs[i])
+        if not partial:
+            return
+        # The rest of each partly read record (unless the ranks verify it
+        # together): (item, start, length) pieces.
+        rest: list[tuple[int, int, int]] = []
+        for i, (_r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i] or shared[i]:
+                continue
+            for a, b in ((0, start), (start + count, rec.data_length)):
+                for p in range(a, b, _PIECE):
+                    rest.append((i, p, min(_PIECE, b - p)))
+        piece_crc: dict[tuple[int, int], int] = {}
+        k = 0
+        while k < len(rest):
+            n, used = 0, 0
+            while k + n < len(rest) and (n == 0 or used + rest[k + n][2] <= _SCRATCH_BUDGET):
+                used += rest[k + n][2]
+                n += 1
+            scratch = np.empty(used, np.uint8)
+            batch, pos = [], 0
+            for i, p, ln in rest[k : k + n]:
+                r, rec = items[i][0], items[i][1]
+                batch.append(ssio.ReadJob(r.file.path, rec.data_offset + p,
+                                          scratch[pos : pos + ln]))
+                pos += ln
+            self.stats["storage_bytes"] += used
+            for (i, p, _ln), c in zip(rest[k : k + n], ssio.read(batch, checksum=True)):
+                piece_crc[(i, p)] = c
+            k += n
+        for i, (r, rec, _d, (start, count)) in enumerate(items):
+            if whole[i] or shared[i]:
+                continue
+            acc = 0
+            for p in range(0, start, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, start - p))
+            acc = crc32_combine(acc, crcs[i], count)
+            end = start + count
+            for p in range(end, rec.data_length, _PIECE):
+                acc = crc32_combine(acc, piece_crc[(i, p)], min(_PIECE, rec.data_length - p))
+            if acc != rec.data_crc32:
+                raise ChecksumError(_crc_message(r, rec))
+
+    def _staged(self, items: list[tuple[_Req, _Rec, Any]], planner: Any) -> None:
+        """Items that need a copy (strided records or destinations, another
+        dtype or device): each record's storage is read whole (so its CRC is
+        checked) into scratch, in batches of bounded size, then copied."""
+        k = 0
+        while k < len(items):
+            n, used = 0, 0
+            while k + n < len(items) and (
+                n == 0 or used + items[k + n][1].data_length <= _SCRATCH_BUDGET
+            ):
+                used += items[k + n][1].data_length
+                n += 1
+            batch = items[k : k + n]
+            scratch = [np.empty(rec.data_length, np.uint8) for _r, rec, _d in batch]
+            jobs = [
+                ssio.ReadJob(r.file.path, rec.data_offset, s,
+                             rec.data_crc32 if self.verify else None)
+                for (r, rec, _d), s in zip(batch, scratch)
+                if rec.data_length
+            ]
+            self.run(jobs, [(r, rec) for r, rec, _d in batch if rec.data_length])
+            if self.verify:
+                for r, rec, _d in batch:
+                    if rec.data_length and self._is_shared(r):
+                        self._add_piece(r, rec, 0, rec.data_length, rec.data_crc32)
+            for (r, rec, dest), s in zip(batch, scratch):
+                _copy_out(r, rec, s, dest)
+                planner.commit_tensor(r.item, dest)
+            k += n
+
+    def _is_shared(self, r: _Req) -> bool:
+        return bool(self.shared) and _index_key(r.item.storage_index) in self.shared
+
+    def _add_piece(self, r: _Req, rec: _Rec, start: int, count: int, crc: int) -> None:
+        """One checksummed range of a shared chunk's record, for verify_pieces."""
+        self.pieces.append((_index_key(r.item.storage_index), r.file.path, rec.data_offset,
+                            rec.data_length, rec.data_crc32, start, count, crc, r.where()))
+
+    def run(
+        self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False
+    ) -> list[int]:
+        """One engine batch; a CRC mismatch is reported naming its item."""
+        if not jobs:
+            return []
+        self.stats["storage_bytes"] += sum(
+            j.out.nbytes if j.device else memoryview(j.out).nbytes for j in jobs)
+        stage = self.cuda.stage if any(j.device for j in jobs) else None
+        try:
+            return ssio.read(jobs, verify=self.verify, checksum=checksum, stage=stage)
+        except ChecksumError as e:
+            k = getattr(e, "job", None)
+            if not isinstance(k, int) or not 0 <= k < len(reqs):
+                raise
+            raise ChecksumError(_crc_message(*reqs[k])) from e

@@ -1,0 +1,302 @@
+"""A rank's data files for ``FileSystemWriter.write_data``.
+
+The files are those torch 2.13's writer makes for the same plan: a rank's
+items bucketed as torch buckets them (``_split_by_size_and_type``), in the
+same order, each a ``torch.save`` zip record. Every record is laid out up
+front (``_records._record_plan``), then one ``shardstate.io.write`` batch
+writes all headers, tensor bytes (straight from the tensors' memory, or from
+CUDA memory through a pipeline of pinned buffers) and bytes items while
+computing each tensor's CRC-32; the small trailers, which hold the CRC, are
+then patched from a template and written with ``pwrite`` before each file
+is fsynced.
+
+Known limit: CUDA tensors of a second device are copied to the CPU, all of
+a rank's at once, before the write batch.
+
+Thread safety: ``_cuda_stages`` is per process, filled on first use (a save
+or load at a time, as in torch).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import io as ssio
+from .._core import ShardstateError
+from .._util import import_torch
+from ._records import _record_plan, _Trailer
+from .metadata import _StorageInfo
+from .planner import element_size
+from .storage import WriteResult
+
+
+def _item_size(item: Any) -> int:
+    td = item.tensor_data
+    n = 1
+    for s in td.size:
+        n *= int(s)
+    return n * element_size(td.properties.dtype)
+
+
+def _is_bytes_item(item: Any) -> bool:
+    return item.type.name == "BYTE_IO"
+
+
+def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
+    """torch's bucketing of a rank's items into ``bins`` files: bytes items
+    round-robin, tensors largest first into the lightest bucket."""
+    if bins == 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for i, wi in enumerate(w for w in items if _is_bytes_item(w)):
+        buckets[i % bins].append(wi)
+    for wi in sorted((w for w in items if not _is_bytes_item(w)), key=_item_size, reverse=True):
+        idx = min(range(bins), key=sizes.__getitem__)
+        buckets[idx].append(wi)
+        sizes[idx] += _item_size(wi)
+    return buckets
+
+
+def _uses_overlapping_loader(thread_count: int, copy_ahead: int) -> bool:
+    """torch orders a file's tensors by size (its _OverlappingCpuLoader) only
+    with one thread, an accelerator present and copy-ahead on."""
+    if thread_count != 1 or copy_ahead <= 0:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None:  # NumPy-only state: no accelerator can hold it
+        return False
+    if torch.cuda.is_available():
+        return True
+    name = torch._C._get_privateuse1_backend_name()
+    mod = getattr(torch, name, None)
+    return bool(mod and mod.is_available())
+
+
+# --------------------------------------------------------------------------
+# The bytes of a tensor item
+# --------------------------------------------------------------------------
+
+
+def _storage_bytes(t: Any) -> np.ndarray:
+    """A zero-copy uint8 view of a CPU tensor's whole storage."""
+    torch = import_torch()
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+
+
+def _prepare_tensor(t: Any, keep_device: bool = False) -> Any:
+    """The tensor torch's DCP writer would torch.save for ``t``: detached, on
+    the CPU (or, with keep_device, where it is), cloned when its storage
+    holds more than its own bytes (the caller writes a contiguous one's
+    elements itself, without the clone)."""
+    torch = import_torch()
+    t = t.detach()
+    if t.layout != torch.strided:
+        raise NotImplementedError(f"saving a {t.layout} tensor is not supported")
+    if not keep_device:
+        t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        # torch.save would record the bit; we store the resolved values.
+        t = t.resolve_conj().resolve_neg()
+    if t.untyped_storage().nbytes() != t.nbytes and _dense_as_clone(t):
+        return t
+    if t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()
+    if t.storage_offset() != 0:  # overlapping strides over an exact storage
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _dense_as_clone(t: Any) -> bool:
+    """Whether t's elements fill one range of its storage in the order
+    ``t.clone()`` would lay them out (same strides as the clone's, found
+    without allocating)."""
+    return tuple(t.stride()) == tuple(import_torch().empty_like(t, device="meta").stride())
+
+
+# CUDA tensors are saved through a pipeline of pinned buffers (one Stage per
+# device and process, made on first use): the d2h copy of piece k+1 runs
+# while piece k is written, with no host copy of the tensor made in Python.
+# The reader reads into CUDA destinations through the same Stage.
+_CUDA_STAGE_BUFFERS = 4
+_CUDA_STAGE_BUFFER_SIZE = 64 << 20
+_cuda_stages: dict[int, Any] = {}
+
+
+def _cuda_stage(device: Any) -> Any:
+    """The process's Stage for a CUDA device, or None when the CUDA runtime
+    cannot be loaded (the tensor is then copied to the CPU, as torch does)."""
+    index = device.index if device.index is not None else import_torch().cuda.current_device()
+    if index not in _cuda_stages:
+        from .. import cuda as sscuda
+
+        try:
+            _cuda_stages[index] = ssio.Stage(
+                "cuda", _CUDA_STAGE_BUFFERS, _CUDA_STAGE_BUFFER_SIZE, device=index,
+                candidates=list(sscuda.candidates("cudart")))
+        except ShardstateError as e:
+            warnings.warn(f"shardstate: CUDA tensors are copied to the CPU before writing "
+                          f"({e})", stacklevel=3)
+            _cuda_stages[index] = None
+    return _cuda_stages[index]
+
+
+def _device_bytes(t: Any, start: int, nbytes: int) -> Any:
+    """A uint8 CUDA tensor over bytes [start, start + nbytes) of t's storage."""
+    torch = import_torch()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), start, (nbytes,), (1,))
+
+
+def _record_source(value: Any, item: Any,
+                   cuda_ok: bool = False) -> tuple[str, tuple, tuple, int, Any]:
+    """(dtype name, shape, stride, storage numel, the bytes to write) for a
+    tensor item's value: a torch tensor (prepared as torch's writer would)
+    or, for NumPy state without torch, an ndarray written as the contiguous
+    tensor of the dtype the planner recorded. With cuda_ok, a CUDA tensor's
+    bytes stay on the device (a uint8 CUDA tensor) for the staging pipeline."""
+    if isinstance(value, np.ndarray):
+        # (not np.ascontiguousarray: it turns a 0-d array into shape (1,))
+        arr = np.asarray(value, order="C")
+        stride = tuple(s // arr.itemsize for s in arr.strides) if arr.size else \
+            tuple(int(np.prod(arr.shape[i + 1:])) for i in range(arr.ndim))
+        return (str(item.tensor_data.properties.dtype), arr.shape, stride, arr.size,
+                arr.reshape(-1).view(np.uint8))
+    on_device = cuda_ok and getattr(value, "is_cuda", False)
+    t = _prepare_tensor(value, keep_device=on_device)
+    if t.untyped_storage().nbytes() != t.nbytes:
+        # A dense view into a larger storage, laid out as its clone would be
+        # (a staged tensor, a slice of rows): the clone's record is this
+        # range of the storage, so write it in place.
+        start = t.storage_offset() * t.element_size()
+        data = (_device_bytes(t, start, t.nbytes) if on_device
+                else _storage_bytes(t)[start:start + t.nbytes])
+        return str(t.dtype), tuple(t.shape), tuple(t.stride()), t.numel(), data
+    data = (_device_bytes(t, 0, t.untyped_storage().nbytes()) if on_device
+            else _storage_bytes(t))
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()),
+            t.untyped_storage().nbytes() // t.element_size(), data)
+
+
+# --------------------------------------------------------------------------
+# One engine call per rank
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingTrailer:
+    path: str
+    offset: int
+    trailer: _Trailer
+    job: int  # index of the data job in the batch
+
+
+def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length,
+                       storage_data=_StorageInfo(name, offset, length))
+
+
+def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
+                reorder: bool, sync_files: bool) -> list[WriteResult]:
+    """Writes a rank's files, each (name in ``root``, its items in order),
+    the whole rank in one engine call; with ``reorder``, each file's tensors
+    smallest first (torch's overlapping loader). Returns the write results."""
+    jobs: list[ssio.WriteJob] = []
+    trailers: list[_PendingTrailer] = []
+    results: list[WriteResult] = []
+    empty_files: list[str] = []
+    keep: list[Any] = []  # tensors whose memory the jobs point into
+    stage, stage_device = None, None  # for the CUDA tensors of one device
+    for name, items in files:
+        path = os.fspath(root / name)
+        byte_items = [w for w in items if _is_bytes_item(w)]
+        tensor_items = [w for w in items if not _is_bytes_item(w)]
+        if reorder:
+            tensor_items.sort(key=_item_size)
+        if not items:
+            empty_files.append(path)
+        cursor = 0
+        for item in byte_items:
+            data = planner.resolve_data(item)
+            buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+            jobs.append(ssio.WriteJob(path, cursor, buf))
+            results.append(_result(item, name, cursor, buf.nbytes))
+            cursor += buf.nbytes
+        for item in tensor_items:
+            value = planner.resolve_data(item)
+            on_device = False
+            if getattr(value, "is_cuda", False):
+                if stage_device is None:
+                    stage_device = value.device
+                    stage = _cuda_stage(value.device)
+                on_device = stage is not None and value.device == stage_device
+            dtype, shape, stride, numel, data = _record_source(value, item, on_device)
+            keep.append(data)
+            rec, trailer = _record_plan(dtype, shape, stride, numel)
+            jobs.append(ssio.WriteJob(path, cursor, rec.header))
+            jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, data,
+                                      device=on_device and data.numel() > 0))
+            trailers.append(
+                _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, trailer,
+                                len(jobs) - 1)
+            )
+            length = rec.data_offset + rec.data_length + len(trailer.template)
+            results.append(_result(item, name, cursor, length))
+            cursor += length
+    # With sync_files, each piece's writeback starts as soon as it is
+    # written: the disk works while the rest is copied, and the fsync
+    # in _finish_files waits only for the tail.
+    stream = None
+    if stage is not None:
+        # the d2h copies start after the kernels queued so far
+        stream = import_torch().cuda.current_stream(stage_device).cuda_stream
+    crcs = ssio.write(jobs, fsync=False, checksum=True, writeback=sync_files,
+                      stage=stage, stream=stream) if jobs else []
+    del keep
+    written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
+    _finish_files(written, trailers, crcs, empty_files, sync_files)
+    return results
+
+
+def _finish_files(
+    written: list[str],
+    trailers: list[_PendingTrailer],
+    crcs: list[int],
+    empty_files: list[str],
+    sync_files: bool,
+) -> None:
+    """Writes each tensor record's trailer (it holds the data's CRC),
+    creates the empty files torch creates, and fsyncs every file."""
+    by_path: dict[str, list[_PendingTrailer]] = {p: [] for p in written}
+    for tr in trailers:
+        by_path[tr.path].append(tr)
+    for path in empty_files:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            if sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    for path, trs in by_path.items():
+        if not trs and not sync_files:
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for tr in trs:
+                data = tr.trailer(crcs[tr.job])
+                n = os.pwrite(fd, data, tr.offset)
+                while n < len(data):
+                    n += os.pwrite(fd, data[n:], tr.offset + n)
+            if sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,341 @@
+"""Where a checkpoint's records are, and what they hold.
+
+A tensor record is a ``torch.save`` zip (docs/FORMAT.md). The writer lays
+one out from a cached plan (``_record_plan``: its header depends only on
+dtype and shape; ``_Trailer`` patches the CRC into the trailer). The reader
+finds an item through ``storage_data`` (``_Records.requests``: paths confined
+to the checkpoint directory, every offset and length checked against the
+file) and then recognises its record (``_Records.parse``): a dense record is
+compared with the one we would write for the chunk the metadata describes;
+any other is parsed strictly (``_zipfmt.parse_record``). Both work through a
+read-only mapping of the file that touches only the header and trailer pages.
+
+Thread safety: a ``_Records`` serves one load at a time; the plan cache is
+an ``lru_cache`` (safe to share).
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import stat
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._core import ShardstateError
+from .._util import contiguous_strides
+from ._zipfmt import (
+    RecordFormatError,
+    TensorRecordPlan,
+    _hash_combine,
+    parse_record,
+    plan_tensor_record,
+)
+
+
+class StorageFormatError(ShardstateError, ValueError):
+    """A checkpoint's files or storage data are malformed or unsafe (a path
+    outside the directory, an item past the end of its file, a bad record)."""
+
+
+# Its public home (shardstate.checkpoint.filesystem re-exports it).
+StorageFormatError.__module__ = "shardstate.checkpoint.filesystem"
+
+
+def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
+    """A MetadataIndex (torch's or ours) as a plain hashable key."""
+    off = index.offset
+    return (index.fqn, None if off is None else tuple(off))
+
+
+# --------------------------------------------------------------------------
+# Record plans (writer and recognition)
+# --------------------------------------------------------------------------
+
+
+class _Trailer:
+    """``plan.trailer(crc)`` in a few microseconds: the trailer for CRC 0 with
+    the five CRC-dependent fields patched (data/0's descriptor and directory
+    CRC, the serialization id's CRC hash, and that entry's descriptor and
+    directory CRC; docs/FORMAT.md 3.4, 3.7, 3.9). Checked against
+    ``plan.trailer`` when built; falls back to it if the layout differs."""
+
+    def __init__(self, plan: TensorRecordPlan) -> None:
+        self.plan = plan
+        self.template = plan.trailer(0)
+        self.fast = False
+        if plan.data_length == 0:  # an empty data/0 carries no CRC at all
+            self.fast = True
+            return
+        try:
+            self._locate()
+            probe = 0x9E3779B9
+            self.fast = self._patch(probe) == plan.trailer(probe)
+        except (ValueError, IndexError, struct.error):
+            self.fast = False
+
+    def _locate(self) -> None:
+        t = self.template
+        # CRCs folded into the id, in write order; None marks data/0's.
+        self.crcs: list[int | None] = []
+        for _name, payload in self.plan._records:
+            if isinstance(payload, int):
+                self.crcs.append(None)
+            elif payload:
+                self.crcs.append(zlib.crc32(payload))
+        half = self._crc_half(0)
+        self.sid_at = t.index(half) - 20
+        if t.count(half) != 1 or self.sid_at < 0 or t[:4] != b"PK\x07\x08":
+            raise ValueError("unexpected trailer layout")
+        if t[self.sid_at + 40 : self.sid_at + 44] != b"PK\x07\x08":
+            raise ValueError("unexpected serialization id descriptor")
+        self.cd_data = t.index(b"archive/data/0") - 46 + 16
+        self.cd_sid = t.rindex(b"archive/.data/serialization_id") - 46 + 16
+
+    def _crc_half(self, crc: int) -> bytes:
+        """The id's last 20 digits: a hash of the entries' CRCs."""
+        hc = 0
+        for c in self.crcs:
+            hc = _hash_combine(hc, crc if c is None else c)
+        return b"%020d" % hc
+
+    def _patch(self, crc: int) -> bytes:
+        t = bytearray(self.template)
+        struct.pack_into("<I", t, 4, crc)
+        struct.pack_into("<I", t, self.cd_data, crc)
+        t[self.sid_at + 20 : self.sid_at + 40] = self._crc_half(crc)
+        sid_crc = zlib.crc32(t[self.sid_at : self.sid_at + 40])
+        struct.pack_into("<I", t, self.sid_at + 44, sid_crc)
+        struct.pack_into("<I", t, self.cd_sid, sid_crc)
+        return bytes(t)
+
+    def __call__(self, crc: int) -> bytes:
+        if self.plan.data_length == 0:
+            return self.template
+        return self._patch(crc) if self.fast else self.plan.trailer(crc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _record_plan(
+    dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None, numel: int
+) -> tuple[TensorRecordPlan, _Trailer]:
+    """A tensor record's plan and its trailer maker, cached: optimizer states
+    repeat the parameters' shapes."""
+    plan = plan_tensor_record(dtype, shape, stride, numel)
+    return plan, _Trailer(plan)
+
+
+# --------------------------------------------------------------------------
+# Locating and recognising records (reader)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rec:
+    """Where a tensor record's storage bytes are, and how to view them."""
+
+    dtype: str  # torch attribute name, e.g. "float32"
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    data_offset: int  # absolute, in the file
+    data_length: int
+    data_crc32: int
+
+
+@dataclass
+class _File:
+    rel: str
+    path: str
+    size: int
+
+
+@dataclass
+class _Req:
+    """A read item, located: its storage entry and its file."""
+
+    item: Any
+    info: Any  # _StorageInfo (ours or torch's)
+    file: _File
+
+    @property
+    def key(self) -> str:
+        return str(self.item.dest_index.fqn)
+
+    def where(self) -> str:
+        return f"item {self.key!r} in {self.file.path} at offset {self.info.offset}"
+
+
+def _parsed(mm: mmap.mmap, r: _Req) -> _Rec:
+    view = memoryview(mm)[r.info.offset : r.info.offset + r.info.length]
+    try:
+        p = parse_record(view, base_offset=r.info.offset)
+    except RecordFormatError as e:
+        raise StorageFormatError(f"{r.where()}: {e}") from None
+    finally:
+        view.release()
+    return _Rec(p.dtype, p.shape, p.stride, p.storage_offset, p.data_offset, p.data_length,
+                p.data_crc32)
+
+
+class _Records:
+    """One checkpoint's records as a load sees them: its directory, its
+    ``storage_data`` (keyed by ``_index_key``) and its metadata (None before
+    ``set_up_storage_reader``)."""
+
+    def __init__(self, path: Path, storage_data: dict[Any, Any], metadata: Any = None) -> None:
+        self.path = path
+        self.storage_data = storage_data
+        self.metadata = metadata
+        self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
+
+    def _open_file(self, rel: object, files: dict[str, _File]) -> _File:
+        if type(rel) is not str:
+            raise StorageFormatError(f"{self.path}: storage path {rel!r} is not a string")
+        f = files.get(rel)
+        if f is not None:
+            return f
+        parts = rel.replace("\\", "/").split("/")
+        if not rel or "\0" in rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} is not a plain relative path inside the "
+                "checkpoint directory"
+            )
+        root = os.path.realpath(self.path)
+        full = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([root, full]) != root:
+            raise StorageFormatError(
+                f"{self.path}: storage path {rel!r} resolves to {full}, outside the checkpoint"
+            )
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint data file {full} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageFormatError(f"checkpoint data file {full} is not a regular file")
+        f = files[rel] = _File(rel, full, st.st_size)
+        return f
+
+    def requests(self, items: Iterable[Any]) -> list[_Req]:
+        """The read items located in their files, in file and offset order."""
+        files: dict[str, _File] = {}
+        reqs = []
+        for item in items:
+            try:
+                info = self.storage_data[_index_key(item.storage_index)]
+            except KeyError:
+                raise StorageFormatError(
+                    f"{self.path}: no storage entry for {item.storage_index}"
+                ) from None
+            if getattr(info, "transform_descriptors", None):
+                raise NotImplementedError(
+                    f"item {item.storage_index.fqn!r} was written with stream transforms "
+                    f"{list(info.transform_descriptors)}, which are not supported"
+                )
+            f = self._open_file(info.relative_path, files)
+            off, n = info.offset, info.length
+            if type(off) is not int or type(n) is not int or off < 0 or n <= 0:
+                raise StorageFormatError(
+                    f"{self.path}: item {item.storage_index.fqn!r} has offset {off!r} and "
+                    f"length {n!r} in {f.rel}"
+                )
+            if off + n > f.size:
+                raise StorageFormatError(
+                    f"item {item.storage_index.fqn!r}: [{off}, {off + n}) runs past the end of "
+                    f"{f.path} ({f.size} bytes)"
+                )
+            reqs.append(_Req(item, info, f))
+        reqs.sort(key=lambda r: (r.file.path, r.info.offset))
+        return reqs
+
+    def chunk(self, index: Any) -> Any:
+        """The saved chunk a storage index names, as (tensor metadata,
+        chunk), or None."""
+        md = self.metadata
+        tmd = None if md is None else md.state_dict_metadata.get(index.fqn)
+        chunks = getattr(tmd, "chunks", None)
+        if not chunks or index.offset is None:
+            return None
+        want = tuple(index.offset)
+        i = index.index
+        if isinstance(i, int) and 0 <= i < len(chunks) and tuple(chunks[i].offsets) == want:
+            return tmd, chunks[i]
+        by_offset = self._chunk_maps.get(index.fqn)
+        if by_offset is None:
+            by_offset = self._chunk_maps[index.fqn] = {tuple(c.offsets): c for c in chunks}
+        c = by_offset.get(want)
+        return None if c is None else (tmd, c)
+
+    def tensor_reads(self, plans: list[Any]) -> Iterator[tuple[int, Any, Any, Any]]:
+        """(rank, read item, chunk key, (metadata, chunk)) for every tensor
+        read of every rank's plan whose saved chunk is known."""
+        for rank, p in enumerate(plans):
+            for it in p.items:
+                if it.type.name == "BYTE_IO":
+                    continue
+                found = self.chunk(it.storage_index)
+                if found is not None:
+                    yield rank, it, _index_key(it.storage_index), found
+
+    def expected(self, mm: mmap.mmap, r: _Req) -> _Rec | None:
+        """The record, if it is byte for byte the contiguous record the
+        metadata predicts (what torch and we write for a dense tensor):
+        checked by comparing its header and trailer with our own, which is
+        stricter than parsing and costs microseconds. None otherwise."""
+        found = self.chunk(r.item.storage_index)
+        if found is None:
+            return None
+        tmd, chunk = found
+        shape = tuple(int(n) for n in chunk.sizes)
+        numel = 1
+        for n in shape:
+            numel *= n
+        dtype = str(tmd.properties.dtype)
+        try:
+            plan, trailer = _record_plan(dtype, shape, None, numel)
+        except (RecordFormatError, ValueError):
+            return None
+        off, dofs, dlen = r.info.offset, plan.data_offset, plan.data_length
+        if dofs + dlen + len(trailer.template) != r.info.length:
+            return None
+        if mm[off : off + dofs] != plan.header:
+            return None
+        tail = mm[off + dofs + dlen : off + r.info.length]
+        crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
+        if tail != trailer(crc):
+            return None
+        return _Rec(dtype.removeprefix("torch."), shape, contiguous_strides(shape), 0,
+                    off + dofs, dlen, crc)
+
+    def parse(self, reqs: list[_Req]) -> list[_Rec]:
+        """Locates each tensor record's data through a read-only mapping of
+        its file (only the pages holding headers and trailers are touched)."""
+        infos: list[_Rec] = []
+        i = 0
+        while i < len(reqs):
+            f = reqs[i].file
+            j = i
+            while j < len(reqs) and reqs[j].file is f:
+                j += 1
+            with open(f.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < f.size:
+                    raise StorageFormatError(f"{f.path} shrank while being read")
+                mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
+            try:
+                for r in reqs[i:j]:
+                    rec = self.expected(mm, r)
+                    if rec is None:
+                        rec = _parsed(mm, r)
+                    infos.append(rec)
+            finally:
+                try:
+                    mm.close()
+                except BufferError:  # a traceback still holds a view; GC closes it
+                    pass
+            i = j
+        return infos
