@@ -395,3 +395,28 @@ def dataclasses_replace(item: Any, half: int) -> Any:
     n = int(item.lengths[0]) // 2
     return dataclasses.replace(item, storage_offsets=torch.Size([half * n]),
                                dest_offsets=torch.Size([0]), lengths=torch.Size([n]))
+
+
+def test_collectives_end_with_the_load(tmp_path):
+    """Shared verification is planned only while shardstate's load holds the
+    reader's collectives: after done(), a load by torch's loader (which never
+    gathers the pieces) with the same reader checks every record alone."""
+    from types import SimpleNamespace
+
+    dcp.save({"a": torch.arange(64.0)}, checkpoint_id=tmp_path)
+    planner = dcp.DefaultLoadPlanner()
+    reader = fs.FileSystemReader(tmp_path)
+    md = reader.read_metadata()
+    planner.set_up_planner({"a": torch.zeros(64)}, md, True)
+    reader.set_up_storage_reader(md, True)
+    import dataclasses
+
+    plan = planner.create_local_plan()
+    halves = [dataclasses.replace(plan, items=[dataclasses_replace(plan.items[0], r)])
+              for r in range(2)]
+    col = reader.load_collectives(SimpleNamespace(use_dist=True, world_size=2, rank=0))
+    out = reader.prepare_global_plan(halves)
+    assert [p.storage_data.shared for p in out] == [{("a", (0,))}] * 2
+    assert out[0].storage_data.bcast is None  # broadcasting is off by default
+    col.done()
+    assert reader.prepare_global_plan(halves) == halves
