@@ -47,8 +47,9 @@ import numpy as np
 
 from ..geometry import OverlapIndex
 from . import _tensors
-from ._flatten import FLATTEN_MAPPING, flatten_state_dict, set_element, traverse_state_dict
+from ._nested_dict import FLATTEN_MAPPING, flatten_state_dict
 from ._tensors import find_state_dict_object, to_size
+from ._traverse import set_element, traverse_state_dict
 from .metadata import (
     STATE_DICT_TYPE,
     STORAGE_TYPES,
