@@ -9,7 +9,9 @@ from typing import Any
 
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
+from .logger import _dcp_method_logger
 from .stateful import Stateful
+from .utils import _api_bc_check
 
 __all__ = ["load", "load_state_dict"]
 
@@ -20,6 +22,8 @@ def _default_load_planner() -> Any:
     return DefaultLoadPlanner()
 
 
+@_dcp_method_logger(log_exceptions=True)
+@_api_bc_check
 def load(
     state_dict: dict[str, Any],
     *,
