@@ -50,7 +50,8 @@ def _name(obj: Any) -> str:
 
 _ELEMENT_SIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "bits8": 1, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits16": 2,
     "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "complex32": 4,
     "int32": 4, "uint32": 4, "float32": 4,
     "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
