@@ -87,11 +87,6 @@ DTYPES: dict[str, DType] = {
         DType("float8_e8m0fnu", 1, None),
         DType("float4_e2m1fn_x2", 1, None),
         DType("complex32", 4, None),
-        DType("bits8", 1, None),
-        DType("bits16", 2, None),
-        DType("bits1x8", 1, None),
-        DType("bits2x4", 1, None),
-        DType("bits4x2", 1, None),
     )
 }
 _BY_STORAGE = {d.storage: d for d in DTYPES.values() if d.storage is not None}
