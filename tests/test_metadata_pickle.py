@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardstate._util import gc_paused
 from shardstate.checkpoint import _pickle as P
+from shardstate.checkpoint import _torchfree as tfree
 from shardstate.checkpoint import metadata as smd
 from shardstate.checkpoint._pickle import (
     PickleFormatError,
@@ -116,8 +117,8 @@ def torch_metadata(with_path: bool = True) -> tmd.Metadata:
     return tmd.Metadata(sdm, planner, storage, meta, "1.0.0")
 
 
-def standin_metadata(tm: tmd.Metadata) -> smd.Metadata:
-    """Our classes with tuples and TorchName for torch objects, sharing the same
+def standin_metadata(tm: tmd.Metadata) -> tfree.Metadata:
+    """The torch-free classes with tuples and TorchName for torch objects, sharing the same
     strings (so the pickles should be byte-identical)."""
 
     def size(s: Any) -> tuple[int, ...]:
@@ -126,30 +127,30 @@ def standin_metadata(tm: tmd.Metadata) -> smd.Metadata:
     def tn(x: Any) -> TorchName:
         return TorchName(str(x))
 
-    def props(p: tmd.TensorProperties) -> smd.TensorProperties:
-        return smd.TensorProperties(tn(p.dtype), tn(p.layout), p.requires_grad,
+    def props(p: tmd.TensorProperties) -> tfree.TensorProperties:
+        return tfree.TensorProperties(tn(p.dtype), tn(p.layout), p.requires_grad,
                                     tn(p.memory_format), p.pin_memory)
 
     sdm: dict[str, Any] = {}
     for k, v in tm.state_dict_metadata.items():
         if isinstance(v, tmd.BytesStorageMetadata):
-            sdm[k] = smd.BytesStorageMetadata()
+            sdm[k] = tfree.BytesStorageMetadata()
         else:
-            sdm[k] = smd.TensorStorageMetadata(
+            sdm[k] = tfree.TensorStorageMetadata(
                 props(v.properties), size(v.size),
-                [smd.ChunkStorageMetadata(size(c.offsets), size(c.sizes)) for c in v.chunks])
+                [tfree.ChunkStorageMetadata(size(c.offsets), size(c.sizes)) for c in v.chunks])
     storage = {}
     for k, v in tm.storage_data.items():
-        idx = object.__new__(smd.MetadataIndex)
+        idx = object.__new__(tfree.MetadataIndex)
         object.__setattr__(idx, "fqn", k.fqn)
         object.__setattr__(idx, "index", k.index)
         if k.offset is not None:
             object.__setattr__(idx, "offset", size(k.offset))
-        storage[idx] = smd._StorageInfo(v.relative_path, v.offset, v.length,
+        storage[idx] = tfree._StorageInfo(v.relative_path, v.offset, v.length,
                                         v.transform_descriptors)
     m = tm.storage_meta
-    return smd.Metadata(sdm, tm.planner_data, storage,
-                        smd.StorageMeta(m.checkpoint_id, m.save_id, m.load_id, m.modules),
+    return tfree.Metadata(sdm, tm.planner_data, storage,
+                        tfree.StorageMeta(m.checkpoint_id, m.save_id, m.load_id, m.modules),
                         tm.version)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardstate.checkpoint import _flatten
+from shardstate.checkpoint import _nested_dict, _traverse
 from shardstate.checkpoint import default_planner as sdp
 from shardstate.checkpoint import planner as splanner
 from shardstate.checkpoint.metadata import (
@@ -182,13 +182,13 @@ def test_flatten_matches_torch(v2_3: bool) -> None:
         theirs = torch_flatten(sd)
     finally:
         torch_version._derived_version = None
-    ours = _flatten.flatten_state_dict(sd, v2_3=v2_3)
+    ours = _nested_dict.flatten_state_dict(sd, v2_3=v2_3)
     assert list(ours[0]) == list(theirs[0])
     assert all(ours[0][k] is theirs[0][k] for k in ours[0])
     assert ours[1] == theirs[1]
     # The keys differ between the two rules (that is why old checkpoints need the fallback).
     assert ("no_tensors.a.b" in ours[0]) != v2_3
-    nested = _flatten.unflatten_state_dict(*ours)
+    nested = _nested_dict.unflatten_state_dict(*ours)
     assert nested["model"]["layer"]["bias"] is sd["model"]["layer"]["bias"]
     assert nested["list_of_tensors"][2] == 99 and nested["optim"]["state"]["0"]["exp_avg"] is \
         sd["optim"]["state"][0]["exp_avg"]
@@ -223,29 +223,29 @@ def test_flatten_matches_torch_on_random_trees(sd: dict, v2_3: bool) -> None:
         torch_version._derived_version = None
     if theirs is None:
         with pytest.raises(ValueError, match="duplicated flatten key"):
-            _flatten.flatten_state_dict(sd, v2_3=v2_3)
+            _nested_dict.flatten_state_dict(sd, v2_3=v2_3)
         return
-    ours = _flatten.flatten_state_dict(sd, v2_3=v2_3)
+    ours = _nested_dict.flatten_state_dict(sd, v2_3=v2_3)
     assert list(ours[0]) == list(theirs[0]) and ours[1] == theirs[1]
     assert all(ours[0][k] is theirs[0][k] for k in ours[0])
-    a, b = _flatten.unflatten_state_dict(*ours), unflatten_state_dict(*theirs)
+    a, b = _nested_dict.unflatten_state_dict(*ours), unflatten_state_dict(*theirs)
     assert repr(a) == repr(b)
 
 
 def test_flatten_duplicate_key_and_deep_nesting() -> None:
     with pytest.raises(ValueError, match=r"duplicated flatten key a\.b"):
-        _flatten.flatten_state_dict({"a": {"b": 1}, "a.b": 2})
+        _nested_dict.flatten_state_dict({"a": {"b": 1}, "a.b": 2})
     deep: dict = {}
     cur = deep
     for _ in range(3000):  # deeper than the recursion limit
         cur["n"] = {}
         cur = cur["n"]
     cur["t"] = torch.ones(1)
-    flat, mapping = _flatten.flatten_state_dict(deep)
+    flat, mapping = _nested_dict.flatten_state_dict(deep)
     (key,) = flat
     assert len(mapping[key]) == 3001
-    assert _flatten.get_element(deep, mapping[key]) is cur["t"]
-    assert _flatten.get_element(deep, ("n", "x"), "missing") == "missing"
+    assert _traverse.get_element(deep, mapping[key]) is cur["t"]
+    assert _traverse.get_element(deep, ("n", "x"), "missing") == "missing"
 
 
 # --------------------------------------------------------------------------

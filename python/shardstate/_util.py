@@ -7,12 +7,15 @@ imports it at all.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["contiguous_strides", "gc_paused", "import_torch", "is_contiguous", "loaded_torch"]
+__all__ = ["contiguous_strides", "gc_paused", "import_torch", "is_contiguous", "loaded_torch",
+           "torch_dcp"]
 
 
 def loaded_torch() -> Any:
@@ -25,6 +28,21 @@ def import_torch() -> Any:
     import torch
 
     return torch
+
+
+@functools.cache
+def torch_dcp() -> Any:
+    """``torch.distributed.checkpoint`` when torch is installed with
+    distributed support, else None. The first call imports it (and torch);
+    the answer is kept for the process. shardstate.checkpoint's data types
+    are torch's own whenever this is not None."""
+    try:
+        torch = importlib.import_module("torch")
+        if not torch.distributed.is_available():
+            return None
+        return importlib.import_module("torch.distributed.checkpoint")
+    except ImportError:
+        return None
 
 
 @contextlib.contextmanager

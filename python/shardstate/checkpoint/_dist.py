@@ -53,6 +53,12 @@ class _Coordinator:
             self.global_coordinator_rank = 0
         self.is_coordinator = self.rank == coordinator_rank
 
+    def get_rank(self) -> int:
+        return self.rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
     # ---- object collectives (no-ops without a group)
 
     def gather_object(self, obj: T) -> list[T] | None:
@@ -137,17 +143,17 @@ class _Coordinator:
         except BaseException as e:  # noqa: BLE001 - carried to every rank
             return _wrap_exception(e)
 
-    def reduce_scatter(self, step: str, map_fn: Callable[[], T],
-                       reduce_fn: Callable[[list[T]], list[R]]) -> R:
-        """map_fn on every rank; reduce_fn on the coordinator over all
+    def reduce_scatter(self, step: str, map_fun: Callable[[], T],
+                       reduce_fun: Callable[[list[T]], list[R]]) -> R:
+        """map_fun on every rank; reduce_fun on the coordinator over all
         results; rank i receives element i of its output."""
-        gathered = self.gather_object(self._run(map_fn))
+        gathered = self.gather_object(self._run(map_fun))
         outputs: list[Any] | None = None
         if self.is_coordinator:
             assert gathered is not None
             failures = _get_failure_dict(gathered)
             if not failures:
-                reduced = self._run(lambda: reduce_fn(gathered))
+                reduced = self._run(lambda: reduce_fun(gathered))
                 if _get_failure_dict([reduced]):
                     failures[self.rank] = reduced
                 elif isinstance(reduced, list) and len(reduced) == self.world_size:
@@ -163,17 +169,17 @@ class _Coordinator:
             raise result
         return result
 
-    def all_reduce(self, step: str, map_fn: Callable[[], T],
-                   reduce_fn: Callable[[list[T]], R]) -> R:
-        """map_fn on every rank; reduce_fn on the coordinator; its result
+    def all_reduce(self, step: str, map_fun: Callable[[], T],
+                   reduce_fun: Callable[[list[T]], R]) -> R:
+        """map_fun on every rank; reduce_fun on the coordinator; its result
         broadcast to every rank."""
-        gathered = self.gather_object(self._run(map_fn))
+        gathered = self.gather_object(self._run(map_fun))
         result: Any = None
         if self.is_coordinator:
             assert gathered is not None
             failures = _get_failure_dict(gathered)
             if not failures:
-                result = self._run(lambda: reduce_fn(gathered))
+                result = self._run(lambda: reduce_fun(gathered))
                 if _get_failure_dict([result]):
                     failures[self.rank] = result
             if failures:
@@ -183,19 +189,19 @@ class _Coordinator:
             raise result
         return result
 
-    def all_gather(self, step: str, map_fn: Callable[[], T]) -> list[T]:
-        """map_fn on every rank; every rank gets all results."""
-        results = self.all_gather_object(self._run(map_fn))
+    def all_gather(self, step: str, map_fun: Callable[[], T]) -> list[T]:
+        """map_fun on every rank; every rank gets all results."""
+        results = self.all_gather_object(self._run(map_fun))
         failures = _get_failure_dict(results)
         if failures:
             raise CheckpointException(step, failures)
         return results
 
-    def broadcast(self, step: str, map_fn: Callable[[], T]) -> T:
-        """map_fn on the coordinator; its result on every rank."""
+    def broadcast(self, step: str, map_fun: Callable[[], T]) -> T:
+        """map_fun on the coordinator; its result on every rank."""
         result: Any = None
         if self.is_coordinator:
-            result = self._run(map_fn)
+            result = self._run(map_fun)
             if _get_failure_dict([result]):
                 result = CheckpointException(step, {self.rank: result})
         result = self.broadcast_object(result)

@@ -574,7 +574,7 @@ def _save_storage_info(w: _Writer, obj: Any) -> None:
 
 
 _OBJECT_MODULES = frozenset(
-    {"shardstate.checkpoint.metadata", _MD_MOD, _FS_MOD}
+    {"shardstate.checkpoint._torchfree", _MD_MOD, _FS_MOD}
 )
 _OBJECT_SAVERS: dict[str, Callable[[_Writer, Any], None]] = {
     "Metadata": _save_metadata,

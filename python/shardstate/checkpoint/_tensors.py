@@ -305,7 +305,9 @@ def global_size(value: Any) -> tuple[int, ...] | None:
 # --------------------------------------------------------------------------
 
 
-def _find_tensor_shard(tensor: Any, index: MetadataIndex) -> Any:
+def find_tensor_shard(tensor: Any, index: MetadataIndex) -> Any:
+    """The local tensor of the chunk ``index`` names in ``tensor`` (a DTensor's
+    local tensor, a ShardedTensor's shard at ``index.offset``, or ``tensor``)."""
     if hasattr(tensor, "__get_tensor_shard__"):
         return tensor.__get_tensor_shard__(index)  # DTensor: its local tensor
     if is_sharded_tensor(tensor):
@@ -338,7 +340,7 @@ def find_state_dict_object(state_dict: dict[str, Any], index: MetadataIndex) -> 
         raise ValueError(f"Could not find FQN: '{index.fqn}'")
     obj = state_dict[index.fqn]
     if is_torch_tensor(obj) or isinstance(obj, np.ndarray):
-        return _find_tensor_shard(obj, index)
+        return find_tensor_shard(obj, index)
     if index.offset is not None:
         raise ValueError(
             f"FQN: '{index.fqn}' is not a ShardedTensor, can't find by offset: '{index.offset}'"

@@ -84,6 +84,9 @@ DTYPES: dict[str, DType] = {
         DType("float8_e5m2", 1, None),
         DType("float8_e4m3fnuz", 1, None),
         DType("float8_e5m2fnuz", 1, None),
+        DType("float8_e8m0fnu", 1, None),
+        DType("float4_e2m1fn_x2", 1, None),
+        DType("complex32", 4, None),
     )
 }
 _BY_STORAGE = {d.storage: d for d in DTYPES.values() if d.storage is not None}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
+from .._util import torch_dcp
+
 __all__ = ["CheckpointException"]
 
 # (exception, its traceback as a StackSummary)
@@ -36,11 +38,19 @@ def _get_failure_dict(results: list[Any]) -> dict[int, WRAPPED_EXCEPTION]:
     return {rank: r for rank, r in enumerate(results) if _is_wrapped_exception(r)}
 
 
-class CheckpointException(BaseException):
+# With torch installed, ours is a torch CheckpointException too: code that
+# catches torch's catches ours.
+_Base: type[BaseException] = (torch_dcp().api.CheckpointException if torch_dcp() is not None
+                              else BaseException)
+
+
+class CheckpointException(_Base):  # type: ignore[misc,valid-type]
     """A save or load failed on one or more ranks.
 
     Raised on every rank of the group, so no rank waits forever for the
     others. ``failures`` maps each failing rank to (exception, traceback).
+    With torch installed it is also a
+    ``torch.distributed.checkpoint.api.CheckpointException``.
     """
 
     def __init__(self, msg: str, failures: dict[int, WRAPPED_EXCEPTION]):

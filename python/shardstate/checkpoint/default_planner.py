@@ -47,8 +47,9 @@ import numpy as np
 
 from ..geometry import OverlapIndex
 from . import _tensors
-from ._flatten import FLATTEN_MAPPING, flatten_state_dict, set_element, traverse_state_dict
+from ._nested_dict import FLATTEN_MAPPING, flatten_state_dict
 from ._tensors import find_state_dict_object, to_size
+from ._traverse import set_element, traverse_state_dict
 from .metadata import (
     STATE_DICT_TYPE,
     STORAGE_TYPES,
@@ -325,7 +326,12 @@ class DefaultSavePlanner(SavePlanner):
                 "deprecated, and no longer has any effect. Please remove this argument "
                 "from your call."
             )
-        self._cached_plans_key: str = self.__class__.__name__
+        # The plan caches are SavePlanner's class dicts, shared with torch's
+        # planners (the same class when torch is installed); torch keys them
+        # by bare class name, so ours are keyed by the qualified one: torch's
+        # DefaultSavePlanner and ours never read each other's plans.
+        cls = type(self)
+        self._cached_plans_key: str = f"{cls.__module__}.{cls.__qualname__}"
         self._enable_plan_caching = enable_plan_caching
 
     def set_up_planner(

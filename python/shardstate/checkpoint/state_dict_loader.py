@@ -10,7 +10,9 @@ from typing import Any, Protocol
 
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
+from .logger import _dcp_method_logger
 from .stateful import Stateful
+from .utils import _api_bc_check
 
 __all__ = ["load", "load_state_dict"]
 
@@ -21,6 +23,8 @@ def _default_load_planner() -> Any:
     return DefaultLoadPlanner()
 
 
+@_dcp_method_logger(log_exceptions=True)
+@_api_bc_check
 def load(
     state_dict: dict[str, Any],
     *,

@@ -12,8 +12,10 @@ from typing import Any
 from . import _staging
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
+from .logger import _dcp_method_logger
 from .metadata import STATE_DICT_TYPE, Metadata
 from .stateful import Stateful
+from .utils import _api_bc_check
 
 __all__ = ["AsyncSaveResponse", "async_save", "save", "save_state_dict"]
 
@@ -45,6 +47,8 @@ def _default_save_planner(coord: _Coordinator, use_collectives: bool) -> Any:
     return planner
 
 
+@_dcp_method_logger(log_exceptions=True)
+@_api_bc_check
 def save(
     state_dict: STATE_DICT_TYPE,
     *,

@@ -1,18 +1,14 @@
 """Stateful: objects saved through their state_dict() and restored through
-load_state_dict(), like torch.distributed.checkpoint.stateful.Stateful."""
+load_state_dict(): torch's own protocol whenever torch is installed
+(``torch.distributed.checkpoint.stateful``), the torch-free one otherwise."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from .metadata import TORCH_TYPES
 
 __all__ = ["Stateful", "StatefulT"]
 
-
-@runtime_checkable
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
-
-
-StatefulT = TypeVar("StatefulT", bound=Stateful)
+if TORCH_TYPES:
+    from torch.distributed.checkpoint.stateful import Stateful, StatefulT
+else:
+    from ._torchfree import Stateful, StatefulT

@@ -1,24 +1,20 @@
-"""Flattening nested state dicts into dotted keys, and back.
-
-The same rules as torch 2.13's ``_nested_dict.py`` / ``_traverse.py``:
+"""Walking nested state dicts: torch 2.13's ``_traverse`` (same names and
+signatures), on the rules below.
 
 * a Mapping is always descended into (keys become ``str(k)``); an empty one
   contributes nothing;
 * a list is descended into only when it (recursively) holds a tensor, a
   Mapping or a list that is itself descended into; otherwise it is one leaf;
-* a tuple, or any other object, is always a leaf;
-* the flat key is ``".".join(map(str, path))`` and ``mapping[key] = path``,
-  a tuple of ``str`` dict keys and ``int`` list indices.
+* a tuple, or any other object, is always a leaf.
 
 Checkpoints written before torch 2.4 used the older rule
 (``traverse_state_dict_v_2_3``): a Mapping is a leaf as well when nothing in
-it (recursively) is a tensor. ``flatten_state_dict(sd, v2_3=True)`` gives
-those keys (torch switches with a module global, ``_version._derived_version``;
-here it is an argument).
+it (recursively) is a tensor.
 
 "Tensor" here means a ``torch.Tensor`` (when torch is loaded) or a
 ``numpy.ndarray``: shardstate saves NumPy arrays as tensors, so a list of
-arrays is descended into like a list of tensors.
+arrays is descended into like a list of tensors. The walk uses an explicit
+stack: deep nesting cannot hit the recursion limit.
 
 No torch import: tensors can only exist if torch is already loaded.
 """
@@ -31,21 +27,12 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-__all__ = [
-    "FLATTEN_MAPPING",
-    "OBJ_PATH",
-    "flatten_state_dict",
-    "get_element",
-    "is_tensor_like",
-    "set_element",
-    "traverse_state_dict",
-    "traverse_state_dict_v_2_3",
-    "unflatten_state_dict",
-]
+__all__ = ["get_element", "print_tensor", "set_element", "traverse_state_dict"]
 
 PATH_ITEM = str | int
 OBJ_PATH = tuple[PATH_ITEM, ...]
-FLATTEN_MAPPING = dict[str, OBJ_PATH]
+STATE_DICT_ITEM = object
+CONTAINER_TYPE = MutableMapping[PATH_ITEM, STATE_DICT_ITEM]
 STATE_DICT_TYPE = dict[str, Any]
 T = TypeVar("T")
 
@@ -119,33 +106,10 @@ def traverse_state_dict_v_2_3(
             stack.extend(reversed([(path + (i,), v) for i, v in enumerate(value)]))
 
 
-def flatten_state_dict(
-    state_dict: Mapping[Any, Any], v2_3: bool = False
-) -> tuple[STATE_DICT_TYPE, FLATTEN_MAPPING]:
-    """``(flat, mapping)``: ``{"a": {"b": t}}`` gives ``{"a.b": t}`` and
-    ``{"a.b": ("a", "b")}``. Two paths with the same dotted key raise
-    ValueError naming the key."""
-    flat: STATE_DICT_TYPE = {}
-    mapping: FLATTEN_MAPPING = {}
-
-    def visit(path: OBJ_PATH, value: Any) -> None:
-        key = ".".join(map(str, path))
-        if key in flat:
-            raise ValueError(
-                f"duplicated flatten key {key}: paths {mapping[key]!r} and {path!r} "
-                "flatten to the same key"
-            )
-        flat[key] = value
-        mapping[key] = path
-
-    (traverse_state_dict_v_2_3 if v2_3 else traverse_state_dict)(state_dict, visit)
-    return flat, mapping
-
-
-def set_element(root: MutableMapping[Any, Any], path: OBJ_PATH, value: Any) -> None:
-    """Set ``value`` at ``path`` in ``root``, creating dicts for ``str`` keys
+def set_element(root_dict: MutableMapping[Any, Any], path: OBJ_PATH, value: Any) -> None:
+    """Set ``value`` at ``path`` in ``root_dict``, creating dicts for ``str`` keys
     and lists (padded with None) for ``int`` keys on the way."""
-    cur: Any = root
+    cur: Any = root_dict
     for prev, key in zip(path, path[1:]):
         default: Any = {} if type(key) is str else []
         if isinstance(cur, Mapping):
@@ -163,9 +127,11 @@ def set_element(root: MutableMapping[Any, Any], path: OBJ_PATH, value: Any) -> N
     cur[last] = value
 
 
-def get_element(root: Mapping[Any, Any], path: OBJ_PATH, default_value: T | None = None) -> Any:
-    """The value at ``path`` in ``root``, or ``default_value`` if there is none."""
-    cur: Any = root
+def get_element(
+    root_dict: Mapping[Any, Any], path: OBJ_PATH, default_value: T | None = None
+) -> Any:
+    """The value at ``path`` in ``root_dict``, or ``default_value`` if there is none."""
+    cur: Any = root_dict
     for part in path:
         if type(part) is int:
             if not isinstance(cur, list) or len(cur) <= part:
@@ -176,9 +142,27 @@ def get_element(root: Mapping[Any, Any], path: OBJ_PATH, default_value: T | None
     return cur
 
 
-def unflatten_state_dict(flat: Mapping[str, Any], mapping: FLATTEN_MAPPING) -> STATE_DICT_TYPE:
-    """The nested state dict that :func:`flatten_state_dict` flattened."""
-    nested: STATE_DICT_TYPE = {}
-    for key, value in flat.items():
-        set_element(nested, mapping[key], value)
-    return nested
+
+
+def _print_nested(value: Any, prefix: str = "", print_fun: Callable[[str], None] = print) -> None:
+    torch = sys.modules.get("torch")
+    kind = type(value).__name__
+    if torch is not None and kind == "ShardedTensor":
+        print_fun(f"{prefix} ShardedTensor size: {value.size()}")
+        for shard in value.local_shards():
+            _print_nested(shard.tensor, f"{shard.metadata.shard_offsets} ", print_fun=print_fun)
+    elif torch is not None and kind == "DTensor":
+        print_fun(f"{prefix} DistributedTensor size: {value.size()}")
+        _print_nested(value._local_tensor, print_fun=print_fun)
+    elif torch is not None and isinstance(value, torch.Tensor):
+        print_fun(f"{prefix} Tensor size: {value.size()}")
+    elif isinstance(value, np.ndarray):
+        print_fun(f"{prefix} ndarray shape: {value.shape}")
+    else:
+        print_fun(f"{prefix} Type: {type(value)}")
+
+
+def print_tensor(path: OBJ_PATH, value: Any, print_fun: Callable[[str], None] = print) -> None:
+    """A ``traverse_state_dict`` visitor that prints each leaf's kind and size
+    (through ``print_fun``, ``print`` by default)."""
+    _print_nested(value, prefix=str(path), print_fun=print_fun)
