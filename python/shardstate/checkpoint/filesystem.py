@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import sys
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -61,11 +60,10 @@ from ._pickle import (
     PickleFormatError,
     UnsafePickleError,
     dumps_metadata,
-    gc_paused,
     loads_metadata,
 )
 from ._records import StorageFormatError, _index_key, _Records
-from .metadata import StorageMeta, to_torch_metadata
+from .metadata import StorageMeta
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 
 __all__ = [
@@ -377,14 +375,9 @@ class FileSystemReader(StorageReader):
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
-        # torch's planners check metadata classes with isinstance; ours
-        # accept either, so hand out torch's whenever torch's DCP is loaded
-        # (only then can a torch planner be in use; importing it costs more
-        # than a whole small load).
-        if "torch.distributed.checkpoint" not in sys.modules:
-            return md
-        with gc_paused():
-            return to_torch_metadata(md)
+        # With torch installed the metadata classes are torch's own, so
+        # torch's planners take md as it is.
+        return md
 
     def set_up_storage_reader(
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any

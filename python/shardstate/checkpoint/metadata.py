@@ -12,8 +12,6 @@ and sizes are tuples of ints and their dtype, layout and memory format
 
 from __future__ import annotations
 
-from typing import Any
-
 from .._util import torch_dcp
 from ._names import TorchName
 from ._names import _name as _name
@@ -67,50 +65,3 @@ else:
         TensorStorageMetadata,
     )
     from ._torchfree import _StorageInfo as _StorageInfo
-
-def to_torch_metadata(md: Metadata) -> Any:
-    """The same metadata built from torch's own classes (torch must be
-    importable): ``md`` itself when it is made of them already, as it is
-    whenever torch is installed (``TORCH_TYPES``)."""
-    if TORCH_TYPES and type(md) is Metadata:
-        return md
-    import torch
-    import torch.distributed.checkpoint.metadata as tm
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchStorageInfo
-
-    def obj(v: Any) -> Any:
-        return v.resolve() if isinstance(v, TorchName) else v
-
-    def entry(e: Any) -> Any:
-        if isinstance(e, TensorStorageMetadata):
-            p = e.properties
-            props = tm.TensorProperties(
-                dtype=obj(p.dtype), layout=obj(p.layout), requires_grad=p.requires_grad,
-                memory_format=obj(p.memory_format), pin_memory=p.pin_memory)
-            return tm.TensorStorageMetadata(
-                properties=props, size=torch.Size(e.size),
-                chunks=[tm.ChunkStorageMetadata(offsets=torch.Size(c.offsets),
-                                                sizes=torch.Size(c.sizes)) for c in e.chunks])
-        if isinstance(e, BytesStorageMetadata):
-            return tm.BytesStorageMetadata()
-        return e
-
-    def index(k: Any) -> Any:
-        return tm.MetadataIndex(k.fqn, k.offset, k.index) if isinstance(k, MetadataIndex) else k
-
-    def info(v: Any) -> Any:
-        if isinstance(v, _StorageInfo):
-            return TorchStorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors)
-        return v
-
-    storage_data = md.storage_data
-    if isinstance(storage_data, dict):
-        storage_data = {index(k): info(v) for k, v in storage_data.items()}
-    sm = md.storage_meta
-    if isinstance(sm, StorageMeta):
-        sm = tm.StorageMeta(checkpoint_id=sm.checkpoint_id, save_id=sm.save_id,
-                            load_id=sm.load_id, modules=list(sm.modules))
-    return tm.Metadata(
-        state_dict_metadata={k: entry(v) for k, v in md.state_dict_metadata.items()},
-        planner_data=md.planner_data, storage_data=storage_data, storage_meta=sm,
-        version=md.version)
