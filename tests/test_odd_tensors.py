@@ -75,3 +75,63 @@ def test_same_files_as_torch_for_new_dtypes(tmp_path: Path) -> None:
     tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(str(tmp_path / "torch"), thread_count=1))
     for f in sorted(p.name for p in (tmp_path / "torch").glob("*.distcp")):
         assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "torch" / f).read_bytes(), f
+
+
+def _views() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(4, 6, dtype=torch.complex64, generator=g)
+    f = torch.randn(4, 6, generator=g)
+    return {
+        "conj": c.conj(),  # conj bit set
+        "neg": torch._neg_view(f),  # neg bit set
+        "conj_neg": torch._neg_view(c.conj()),  # both
+        "conj_imag": c.conj().imag,  # a float view with the neg bit, from torch's own ops
+        "conj_t": c.t().conj(),  # strided and conjugate
+    }
+
+
+def test_view_bits_are_what_the_cases_claim() -> None:
+    v = _views()
+    assert v["conj"].is_conj() and v["neg"].is_neg() and v["conj_imag"].is_neg()
+    assert v["conj_neg"].is_conj() and v["conj_neg"].is_neg()
+
+
+@pytest.mark.parametrize("saver", ["torch", "shardstate"])
+def test_conjugate_and_negative_views(tmp_path: Path, saver: str) -> None:
+    sd = _views()
+    want = {k: v.resolve_conj().resolve_neg() for k, v in sd.items()}
+    _LIBS[saver].save(sd, checkpoint_id=str(tmp_path))
+    for loader in ("shardstate", "torch"):
+        out = {k: torch.zeros_like(v) for k, v in want.items()}
+        _LIBS[loader].load(out, checkpoint_id=str(tmp_path))
+        for k in want:
+            assert torch.equal(out[k], want[k]), (saver, loader, k)
+    # other destinations: a wider dtype (converted), NumPy arrays, part of a row
+    import numpy as np
+
+    out = {"conj": torch.zeros(4, 6, dtype=torch.complex128), "neg": np.zeros((4, 6), np.float32)}
+    partial = ss.DefaultLoadPlanner(allow_partial_load=True)
+    ss.load(out, checkpoint_id=str(tmp_path), planner=partial)
+    assert torch.equal(out["conj"], want["conj"].to(torch.complex128))
+    np.testing.assert_array_equal(out["neg"], want["neg"].numpy())
+
+
+def _reshard_views(rank: int, world: int, path: str, broadcast: bool) -> bool:
+    import shardstate.checkpoint as ss
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    want = {k: v.resolve_conj().resolve_neg() for k, v in _views().items()}
+    mesh = init_device_mesh("cpu", (world,))
+    out = {k: distribute_tensor(torch.zeros_like(v), mesh,
+                                [Shard(1) if k != "neg" else Replicate()])
+           for k, v in want.items()}
+    ss.load(out, storage_reader=ss.FileSystemReader(path, broadcast_shared_reads=broadcast))
+    return all(torch.equal(out[k].full_tensor(), want[k]) for k in want)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_torch_saved_views_reshard(run_distributed, tmp_path: Path, broadcast: bool) -> None:
+    tdcp.save(_views(), checkpoint_id=str(tmp_path))
+    assert run_distributed(_reshard_views, 2, str(tmp_path), broadcast) == [True, True]

@@ -251,9 +251,23 @@ def test_parser_reads_requires_grad():
     assert info.requires_grad is True
 
 
-def test_parser_rejects_conj_metadata():
-    with pytest.raises(RecordFormatError, match="conj"):
-        z.parse_record(torch_save(torch.ones(2, dtype=torch.complex64).conj()))
+def test_parser_reads_conj_and_neg_bits():
+    import zipfile
+
+    c = torch.ones(2, dtype=torch.complex64)
+    for t, bits in ((c.conj(), (True, False)), (torch._neg_view(torch.ones(2)), (False, True)),
+                    (torch._neg_view(c.conj()), (True, True)), (c, (False, False))):
+        info = z.parse_record(torch_save(t))
+        assert (info.conj, info.neg) == bits
+    # anything else in the metadata dict, or a conjugate real tensor, is refused
+    raw = torch_save(c.conj())
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    with pytest.raises(RecordFormatError, match="metadata"):
+        z.parse_record(record_with(pkl.replace(b"conj", b"cxnj"), bytes(16)))
+    real = pkl.replace(b"ComplexFloatStorage", b"DoubleStorage")  # GLOBAL is line-based
+    with pytest.raises(RecordFormatError, match="conjugate view of a float64"):
+        z.parse_record(record_with(real, bytes(16)))
 
 
 # ---- malformed and malicious records -----------------------------------

@@ -247,7 +247,8 @@ def _direct_bytes(dest: Any, rec: _Rec, r: _Req) -> np.ndarray | None:
     """``dest``'s own bytes when the region ``r`` reads is the whole record
     and ``dest`` is a contiguous CPU tensor or array of its dtype (the
     chunk can be read or received straight into it); else None."""
-    if rec.storage_offset or not is_contiguous(rec.shape, rec.stride) or not rec.data_length:
+    if (rec.storage_offset or rec.conj or rec.neg or not rec.data_length
+            or not is_contiguous(rec.shape, rec.stride)):
         return None
     if tuple(int(o) for o in r.item.storage_offsets) != (0,) * len(rec.shape) or \
             tuple(int(n) for n in r.item.lengths) != tuple(rec.shape):

@@ -97,15 +97,25 @@ def _copy_out(r: _Req, rec: _Rec, data: np.ndarray, dest: Any) -> None:
     record's dtype on the CPU by the C ``copy_region`` (GIL released), any
     other by torch's ``copy_`` (dtype or device conversion)."""
     if isinstance(dest, np.ndarray):
-        dest[...] = _numpy_region(rec, data, r.item.storage_offsets, r.item.lengths)
+        region = _numpy_region(rec, data, r.item.storage_offsets, r.item.lengths)
+        if rec.conj:
+            region = np.conj(region)
+        if rec.neg:
+            region = np.negative(region)
+        dest[...] = region
         return
     torch = sys.modules["torch"]  # loaded whenever a destination is a tensor
     dt = getattr(torch, rec.dtype)
     src = torch.from_numpy(data).view(dt) if rec.data_length else torch.empty(0, dtype=dt)
     src = src.as_strided(rec.shape, rec.stride, rec.storage_offset)
+    if rec.conj:
+        src = src.conj()  # views: copy_ below resolves them
+    if rec.neg:
+        src = torch._neg_view(src)
     offs = [int(o) for o in r.item.storage_offsets]
     lens = [int(n) for n in r.item.lengths]
-    if (dest.device.type == "cpu" and dest.dtype == dt and src.dim() >= 1
+    if (not rec.conj and not rec.neg and dest.device.type == "cpu" and dest.dtype == dt
+            and src.dim() >= 1
             and dest.numel() and all(st >= 0 for st in src.stride())):
         from ..geometry import copy_region
 
@@ -130,8 +140,9 @@ def _slab(
     """(byte offset, byte count) of the region ``offs``/``lengths`` inside a
     record's data when the record is dense row-major and the region is one
     contiguous range of it (the whole chunk, or a slab along its first
-    non-unit dimension); None otherwise."""
-    if rec.storage_offset or not is_contiguous(rec.shape, rec.stride):
+    non-unit dimension); None otherwise, and for a conj/neg view's record
+    (its bytes are not the values)."""
+    if rec.storage_offset or rec.conj or rec.neg or not is_contiguous(rec.shape, rec.stride):
         return None
     d = len(rec.shape) - 1
     while d >= 0 and offs[d] == 0 and lengths[d] == rec.shape[d]:

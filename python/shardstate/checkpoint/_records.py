@@ -146,6 +146,10 @@ class _Rec:
     data_offset: int  # absolute, in the file
     data_length: int
     data_crc32: int
+    # torch's conj/neg view bits: the values are conj / -1 x the bytes'
+    # (such records always go through _copy_out, which applies them)
+    conj: bool = False
+    neg: bool = False
 
 
 @dataclass
@@ -180,7 +184,7 @@ def _parsed(mm: mmap.mmap, r: _Req) -> _Rec:
     finally:
         view.release()
     return _Rec(p.dtype, p.shape, p.stride, p.storage_offset, p.data_offset, p.data_length,
-                p.data_crc32)
+                p.data_crc32, p.conj, p.neg)
 
 
 class _Records:

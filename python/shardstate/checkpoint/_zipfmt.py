@@ -489,6 +489,8 @@ class RecordInfo:
     data_offset: int  # absolute offset of the storage bytes
     data_length: int
     data_crc32: int  # as stored in the archive
+    conj: bool = False  # the tensor is the conjugate of its storage's values
+    neg: bool = False  # ... or their negation (torch's conj/neg view bits)
 
 
 _MAX_ENTRIES = 64
@@ -692,6 +694,8 @@ class _Tensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     requires_grad: bool
+    conj: bool = False  # torch's metadata bits: the value is conj / -1 x the storage's
+    neg: bool = False
 
 
 class _Mark:
@@ -729,11 +733,14 @@ def _reduce(fn: object, args: object) -> object:
     v3 = (fn.module, fn.name) == _REBUILD_V3
     if (fn.module, fn.name) != _REBUILD_V2 and not v3:
         raise _fail(f"REDUCE calls {fn.module}.{fn.name}")
+    bits: dict = {}
     if not v3 and len(args) == 7 and type(args[6]) is dict:
-        raise _fail(
-            f"tensor metadata {sorted(args[6])} (conj/neg bits) is not supported; "
-            "save the tensor with resolve_conj()/resolve_neg()"
-        )
+        # torch.save of a conjugate or negative view: the storage holds the
+        # base's values, the metadata dict says which view to take of them.
+        bits = args[6]
+        if not set(bits) <= {"conj", "neg"}:
+            raise _fail(f"tensor metadata {sorted(bits)} is not torch's conj/neg bits")
+        args = args[:6]
     if len(args) != (7 if v3 else 6):
         raise _fail(
             f"{fn.name} called with {len(args)} arguments; tensor metadata "
@@ -759,7 +766,10 @@ def _reduce(fn: object, args: object) -> object:
     stride = _int_tuple(stride, "stride")
     if len(shape) != len(stride):
         raise _fail(f"size {shape} and stride {stride} differ in length")
-    return _Tensor(dt, st, offset, shape, stride, rg)
+    conj, neg = bool(bits.get("conj", False)), bool(bits.get("neg", False))
+    if conj and not dt.name.startswith("complex"):
+        raise _fail(f"a conjugate view of a {dt.name} tensor")
+    return _Tensor(dt, st, offset, shape, stride, rg, conj, neg)
 
 
 def _persistent_load(pid: object) -> _StorageRef:
@@ -887,6 +897,14 @@ def _walk_pickle(p: memoryview) -> _Tensor:
             if type(d) is not dict or type(k) is not str or type(v) is not bool or len(d) >= 8:
                 raise _fail("SETITEM outside a small str->bool metadata dict")
             d[k] = v
+        elif op == b"u":  # SETITEMS: the same, several pairs (conj and neg)
+            items = pop_mark()
+            d = stack[-1] if stack else None
+            if (type(d) is not dict or len(items) % 2 or len(d) + len(items) // 2 > 8
+                    or not all(type(k) is str and type(v) is bool
+                               for k, v in zip(items[::2], items[1::2]))):
+                raise _fail("SETITEMS outside a small str->bool metadata dict")
+            d.update(zip(items[::2], items[1::2]))
         elif op == b"Q":  # BINPERSID
             stack.append(_persistent_load(pop()))
         elif op == b"R":  # REDUCE
@@ -966,5 +984,7 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
         data_offset=data.data_offset + base_offset,
         data_length=data.size,
         data_crc32=data.crc32,
+        conj=t.conj,
+        neg=t.neg,
     )
 
