@@ -35,6 +35,7 @@ from ._fs_write import _cuda_stage, _device_bytes
 from ._pickle import PickleFormatError, UnsafePickleError, loads_object
 from ._records import StorageFormatError, _index_key, _Rec, _Records, _Req
 from ._tensors import numpy_dtype, numpy_dtype_name
+from .default_planner import _TrustedBytesIO
 
 # Scratch memory a load may hold at once for items that cannot be read in place.
 _SCRATCH_BUDGET = 256 << 20
@@ -46,11 +47,12 @@ def _new_stats() -> dict[str, int]:
     return {"storage_bytes": 0, "broadcast_sent": 0, "broadcast_received": 0}
 
 
-def _check_bytes_record(record: bytes, where: str) -> None:
+def _check_bytes_record(record: bytes, where: str, restricted: bool = True) -> None:
     """Checks a bytes item (a torch.save zip) before any planner sees it:
-    every entry's CRC-32, then a restricted load of its pickle (the same
-    allowlist our planner's load_bytes uses). Raises ChecksumError or
-    StorageFormatError; nothing from a refused item is imported or called."""
+    every entry's CRC-32, then (``restricted``) a restricted load of its
+    pickle (the same allowlist our planner's load_bytes uses). Raises
+    ChecksumError or StorageFormatError; nothing from a refused item is
+    imported or called."""
     try:
         zf = zipfile.ZipFile(io.BytesIO(record))
         for n in zf.namelist():
@@ -59,12 +61,14 @@ def _check_bytes_record(record: bytes, where: str) -> None:
         if "CRC" in str(e):
             raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
         raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
+    if not restricted:
+        return
     try:
         loads_object(record)
     except (UnsafePickleError, PickleFormatError) as e:
         raise StorageFormatError(
-            f"{where}: bytes item refused: {e} (pass unsafe_unpickle=True to "
-            "FileSystemReader to load it anyway)") from e
+            f"{where}: bytes item refused: {e}; for a trusted checkpoint only, "
+            "FileSystemReader(path, unsafe_unpickle=True) loads it") from e
 
 
 def _region_bytes(t: Any) -> np.ndarray:
@@ -210,9 +214,9 @@ class _Reads:
                   checksum=False)
         for r, b in zip(reqs, bufs):
             record = bytes(b)
-            if not self.unsafe_unpickle:
-                _check_bytes_record(record, r.where())
-            planner.load_bytes(r.item, io.BytesIO(record))
+            _check_bytes_record(record, r.where(), restricted=not self.unsafe_unpickle)
+            planner.load_bytes(r.item, _TrustedBytesIO(record) if self.unsafe_unpickle
+                               else io.BytesIO(record))
 
     def _tensors(self, reqs: list[_Req], planner: Any) -> None:
         infos = self.records.parse(reqs)

@@ -599,6 +599,12 @@ def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]
 
 # -- bytes items ------------------------------------------------------------
 
+class _TrustedBytesIO(io.BytesIO):
+    """A bytes item from a reader the user opened with ``unsafe_unpickle=True``:
+    the default planner loads it with a plain unpickler (any class, as
+    torch does), so that one switch admits trusted objects end to end."""
+
+
 def plain_loads(data: bytes) -> Any:
     """Unpickle a bytes item (a torch.save archive) through the restricted
     unpickler of :mod:`._pickle`: plain Python values, pure paths, torch
@@ -729,7 +735,12 @@ class DefaultLoadPlanner(LoadPlanner):
         fqn = read_item.dest_index.fqn
         data = value.getvalue() if isinstance(value, io.BytesIO) else value.read()
         try:
-            obj = self.loads(data)
+            if isinstance(value, _TrustedBytesIO) and self.loads is plain_loads:
+                from ._pickle import loads_object
+
+                obj = loads_object(data, allow_unsafe=True)  # the reader's trusted opt-in
+            else:
+                obj = self.loads(data)
         except pickle.UnpicklingError as e:
             raise pickle.UnpicklingError(f"cannot load bytes item {fqn!r}: {e}") from e
         if self.flatten_state_dict:
