@@ -227,3 +227,31 @@ def test_read_items_match_torch() -> None:
         warnings.simplefilter("error")
         assert (planner_helpers.create_read_items_for_chunk_list("t", md, md.chunks[1:])
                 == t_helpers.create_read_items_for_chunk_list("t", md, md.chunks[1:]))
+
+
+def test_filesystem_classes(tmp_path: Path) -> None:
+    from shardstate.checkpoint import _torchfree, filesystem
+    from torch.distributed.checkpoint import filesystem as t_fs
+
+    assert filesystem.FileSystem is t_fs.FileSystem  # torch's own, torch being installed
+    assert issubclass(filesystem.FileSystem, filesystem.FileSystemBase)
+    assert isinstance(ss.FileSystemWriter(str(tmp_path)).fs, t_fs.FileSystem)
+    # the torch-free stand-in does what torch's does, step for step
+    results = []
+    for fs, root in ((_torchfree.FileSystem(), tmp_path / "a"),
+                     (t_fs.FileSystem(), tmp_path / "b")):
+        fs.mkdir(root / "sub")
+        p = fs.concat_path(fs.init_path(root), "x.bin")
+        with fs.create_stream(p, "wb") as f:
+            f.write(b"payload")
+        fs.rename(p, root / "y.bin")
+        with fs.create_stream(root / "y.bin", "rb") as f:
+            data = f.read()
+        listing = sorted(Path(x).name for x in fs.ls(root))
+        exists = (fs.exists(root / "y.bin"), fs.exists(p))
+        fs.rm_file(root / "y.bin")
+        results.append((data, listing, exists, fs.exists(root / "y.bin"),
+                        type(fs).validate_checkpoint_id(str(root / "new")),
+                        type(fs).validate_checkpoint_id("s3://bucket/x")))
+    assert results[0] == results[1]
+    assert results[0][:2] == (b"payload", ["sub", "y.bin"])

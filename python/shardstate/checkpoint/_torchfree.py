@@ -16,12 +16,14 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .._util import loaded_torch
@@ -466,3 +468,74 @@ class Stateful(Protocol):
 
 
 StatefulT = TypeVar("StatefulT", bound=Stateful)
+
+
+# ---- filesystem ---------------------------------------------------------------
+
+
+class FileSystemBase(abc.ABC):
+    """The file operations a file-system storage layer needs (torch's
+    ``filesystem.FileSystemBase``)."""
+
+    @abc.abstractmethod
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Any: ...
+
+    @abc.abstractmethod
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike: ...
+
+    @abc.abstractmethod
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None: ...
+
+    @abc.abstractmethod
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike: ...
+
+    @abc.abstractmethod
+    def mkdir(self, path: str | os.PathLike) -> None: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool: ...
+
+    @abc.abstractmethod
+    def exists(self, path: str | os.PathLike) -> bool: ...
+
+    @abc.abstractmethod
+    def rm_file(self, path: str | os.PathLike) -> None: ...
+
+
+class FileSystem(FileSystemBase):
+    """FileSystemBase on the local file system (torch's ``filesystem.FileSystem``)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+        with Path(path).open(mode) as stream:
+            yield stream
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return Path(path) / suffix
+
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
+        return Path(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        Path(path).rename(new_path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        if isinstance(checkpoint_id, Path):
+            return True
+        if "://" in str(checkpoint_id):
+            return False
+        return any(p.exists() and os.access(str(p), os.W_OK) for p in Path(checkpoint_id).parents)
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return Path(path).exists()
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        Path(path).unlink()
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return [str(p) for p in Path(path).iterdir()]

@@ -63,10 +63,17 @@ from ._pickle import (
     loads_metadata,
 )
 from ._records import StorageFormatError, _index_key, _Records
-from .metadata import StorageMeta
+from .metadata import TORCH_TYPES, StorageMeta
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 
+if TORCH_TYPES:  # torch's own, so a user's FileSystemBase subclass is one of ours
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
+else:
+    from ._torchfree import FileSystem, FileSystemBase
+
 __all__ = [
+    "FileSystem",
+    "FileSystemBase",
     "FileSystemReader",
     "FileSystemWriter",
     "SerializationFormat",
@@ -164,6 +171,7 @@ class FileSystemWriter(StorageWriter):
                 f"serialization_format={serialization_format!r} is not supported; "
                 "only SerializationFormat.TORCH_SAVE"
             )
+        self.fs = FileSystem()  # torch's attribute (shardstate's engine does the I/O)
         self.path = Path(path)
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
@@ -324,6 +332,7 @@ class FileSystemReader(StorageReader):
             raise TypeError("broadcast_shared_reads must be None, True or False, got "
                             f"{broadcast_shared_reads!r}")
         self.broadcast_shared_reads = broadcast_shared_reads
+        self.fs = FileSystem()  # torch's attribute (shardstate's engine does the I/O)
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
         self._records = _Records(self.path, self.storage_data)
