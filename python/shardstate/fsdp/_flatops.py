@@ -3,9 +3,10 @@
 Everything that knows how an FSDP1 unit lays its parameters out in one flat
 buffer, or that copies state between that flat layout and per-parameter
 tensors, goes through this module and nothing else in ``shardstate.fsdp``
-does. The layout is the C core's (``_layout.FlatLayout``, ``ss_flat``),
-computed from the unit's parameter shapes, world size and alignment; the
-bulk copies are C copy jobs run with the GIL released:
+does (the dim-0 all-to-all plans on top of it: ``_dim0``). The layout is
+the C core's (``_layout.FlatLayout``, ``ss_flat``), computed from the unit's
+parameter shapes, world size and alignment; the bulk copies are C copy jobs
+run with the GIL released:
 
     unit_layout          FlatLayout(numels, world_size, align_numel=handle._aligned_numel)
     unflatten            FlatLayout.unflatten + a reshape per parameter (views)
@@ -15,9 +16,8 @@ bulk copies are C copy jobs run with the GIL released:
     pack_local_segments_into  the all-to-all send buffer straight from those parts
     pack_segments(_many) flatten_many over layouts whose "parameters" are the segments
     place_many           the reverse: pieces written at given offsets, the gaps zeroed
-    pack_chunks_into     dim0_plan backwards: dim-0 chunks -> what a sharded load sends
-    shard_pieces         ... and where the received pieces go in the flat shard
-    dim0_chunk_numels    torch.chunk(param, W, dim=0)'s sizes, per parameter and rank
+    local_segment_views  segments of the shard pack_local_into would build, as views
+    shard_spans, zero_padding   where the parameters lie in the shard; the rest zeroed
     slice_local          one torch copy (a single slice; as one C batch per unit it
                          measured ~1.3x slower than torch's clone single-threaded)
 
@@ -45,33 +45,33 @@ communicates; nothing here keeps a reference to the tensors it is given.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp.api import ShardingStrategy
 
 from ._layout import FlatLayout, ShardParamInfo, flatten_many
 
 __all__ = [
-    "Dim0Plan",
     "UnitLayout",
-    "dim0_plan",
     "flatten_full_into",
     "flatten_shard_into",
+    "is_sharded",
+    "layout_of",
+    "local_segment_views",
     "pack_local_into",
     "pack_local_segments_into",
     "pack_segments",
     "pack_segments_many",
     "place_many",
-    "dim0_chunk_numels",
-    "pack_chunks_into",
-    "shard_pieces",
+    "shard_spans",
     "slice_local",
     "unflatten",
     "unit_layout",
+    "zero_padding",
 ]
 
 _CPU = torch.device("cpu")
@@ -112,6 +112,17 @@ class UnitLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in the padded unsharded buffer."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+def is_sharded(fsdp_state: Any) -> bool:
+    """Whether an FSDP state's units are sharded (not world size 1, not NO_SHARD)."""
+    return fsdp_state.world_size != 1 and fsdp_state.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+def layout_of(info: Any) -> UnitLayout:
+    """The layout of the unit of an ``FSDPParamInfo``, as its FSDP state's rank sees it."""
+    st = info.state
+    return unit_layout(info.handle, st.world_size, st.rank, is_sharded(st))
 
 
 def unit_layout(handle: Any, world_size: int, rank: int, sharded: bool) -> UnitLayout:
@@ -332,127 +343,6 @@ def slice_local(
     return source[off : off + info.numel_in_shard].clone()
 
 
-@dataclass(frozen=True)
-class Dim0Plan:
-    """How one unit's flat shards become every parameter's dim-0 chunks (an all-to-all).
-
-    Rank ``r``'s chunk of parameter ``i`` is ``torch.chunk(param, W, dim=0)[r]``
-    (empty where torch.chunk returns fewer than W chunks). This rank sends
-    ``send_sizes[d]`` elements to rank ``d``, packed from its flat shard by
-    ``send_segments`` ((offset in shard, numel) in order), and receives
-    ``recv_sizes[s]`` from rank ``s``; ``recv_segments[i]`` lists where
-    parameter ``i``'s chunk lies in the receive buffer, in order.
-    """
-
-    send_sizes: tuple[int, ...]
-    recv_sizes: tuple[int, ...]
-    send_segments: tuple[tuple[int, int], ...]
-    recv_segments: tuple[tuple[tuple[int, int], ...], ...]
-    chunk_numels: tuple[int, ...]
-
-
-def _chunk_numel(numel: int, rows: int, world_size: int) -> int:
-    """Elements in each of torch.chunk(param, world_size, dim=0) but the last ones."""
-    return -(-rows // world_size) * (numel // rows)
-
-
-def dim0_plan(layout: UnitLayout) -> Dim0Plan | None:
-    """The all-to-all plan, or None if a parameter has no dim 0 to chunk (0-dim or empty).
-
-    Work is linear in the parameters and the segments: each parameter is
-    cut only where a shard boundary or a chunk boundary falls inside it.
-    """
-    if any(len(s) == 0 or s[0] == 0 for s in layout.shapes):
-        return None
-    W, me, S = layout.world_size, layout.rank, layout.shard_numel
-    mine_lo, mine_hi = me * S, (me + 1) * S
-    to_dest: list[list[tuple[int, int]]] = [[] for _ in range(W)]
-    from_src: list[list[tuple[int, int]]] = [[] for _ in range(W)]  # (param, numel)
-    chunk_numels = []
-    for i, (off, n, shape) in enumerate(zip(layout.offsets, layout.numels, layout.shapes)):
-        if n == 0:
-            chunk_numels.append(0)
-            continue
-        c = _chunk_numel(n, shape[0], W)
-        # Send: my shard's part of parameter i, cut at its chunk boundaries.
-        a, b = max(mine_lo, off), min(mine_hi, off + n)
-        if a < b:
-            for d in range((a - off) // c, (b - 1 - off) // c + 1):
-                lo, hi = max(a, off + d * c), min(b, off + (d + 1) * c)
-                to_dest[d].append((lo - mine_lo, hi - lo))
-        # Receive: my chunk of parameter i, cut at the shard boundaries.
-        a, b = off + min(me * c, n), off + min((me + 1) * c, n)
-        chunk_numels.append(b - a)
-        if a < b:
-            for s in range(a // S, (b - 1) // S + 1):
-                from_src[s].append((i, min(b, (s + 1) * S) - max(a, s * S)))
-    per_param: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_params)]
-    recv_sizes = []
-    pos = 0
-    for segs in from_src:
-        start = pos
-        for i, k in segs:
-            per_param[i].append((pos, k))
-            pos += k
-        recv_sizes.append(pos - start)
-    for i, n in enumerate(chunk_numels):
-        if sum(k for _, k in per_param[i]) != n:
-            raise AssertionError(f"dim-0 plan: parameter {i}'s chunk is not covered exactly")
-    return Dim0Plan(
-        send_sizes=tuple(sum(k for _, k in segs) for segs in to_dest),
-        recv_sizes=tuple(recv_sizes),
-        send_segments=tuple(seg for segs in to_dest for seg in segs),
-        recv_segments=tuple(tuple(p) for p in per_param),
-        chunk_numels=tuple(chunk_numels),
-    )
-
-
-@dataclass(frozen=True)
-class Dim0Messages:
-    """A ``Dim0Plan`` as point-to-point messages, one per parameter and
-    pair of ranks, in the order both ends list them (parameter order).
-
-    ``shard_side[r]``: the ``(offset in this rank's flat shard, numel)``
-    segments exchanged with rank ``r``; ``chunk_side[r]``: the
-    ``(parameter, start in its dim-0 chunk, numel)`` pieces exchanged with
-    rank ``r``. A save sends ``shard_side`` and receives ``chunk_side``; a
-    load, backwards, sends ``chunk_side`` and receives ``shard_side``. Rank
-    ``r``'s ``shard_side[me]`` and this rank's ``chunk_side[r]`` describe
-    the same messages (and ``chunk_side[me]`` pairs with ``shard_side[me]``
-    for the rank's own part).
-    """
-
-    shard_side: tuple[tuple[tuple[int, int], ...], ...]
-    chunk_side: tuple[tuple[tuple[int, int, int], ...], ...]
-
-
-def dim0_messages(plan: Dim0Plan) -> Dim0Messages:
-    """``plan``'s send and receive buffers cut into their messages."""
-    shard_side: list[list[tuple[int, int]]] = []
-    segs = iter(plan.send_segments)
-    for size in plan.send_sizes:
-        got, mine = 0, []
-        while got < size:
-            off, n = next(segs)
-            mine.append((off, n))
-            got += n
-        if got != size:
-            raise AssertionError("dim-0 plan: send segments do not add up to a rank's size")
-        shard_side.append(mine)
-    starts = list(itertools.accumulate(plan.recv_sizes, initial=0))
-    by_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in plan.recv_sizes]
-    for i, piece_segs in enumerate(plan.recv_segments):
-        at = 0
-        for pos, k in piece_segs:
-            r = bisect.bisect_right(starts, pos) - 1
-            if pos + k > starts[r + 1]:
-                raise AssertionError("dim-0 plan: a chunk piece crosses two ranks' blocks")
-            by_rank[r].append((pos, i, at, k))
-            at += k
-    chunk_side = tuple(tuple((i, at, k) for _, i, at, k in sorted(m)) for m in by_rank)
-    return Dim0Messages(tuple(tuple(m) for m in shard_side), chunk_side)
-
-
 def shard_spans(layout: UnitLayout) -> list[tuple[int, int, int]]:
     """``(start, end, parameter)`` of every parameter's non-empty part of this
     rank's flat shard, in shard order."""
@@ -569,64 +459,3 @@ def place_many(
             cjobs.append((FlatLayout(sizes, 1), 0, pieces, out))
     if cjobs:
         _run_flatten(cjobs)
-
-
-def dim0_chunk_numels(shapes: Sequence[torch.Size], world_size: int) -> list[list[int]] | None:
-    """``numels[r][i]``: elements of ``torch.chunk(param_i, world_size, dim=0)[r]``
-    (0 past the last chunk); None if a parameter has no dim 0 to chunk."""
-    if any(len(s) == 0 or s[0] == 0 for s in shapes):
-        return None
-    out = []
-    for r in range(world_size):
-        row = []
-        for shape in shapes:
-            n = math.prod(shape)
-            c = _chunk_numel(n, shape[0], world_size)
-            row.append(max(0, min(c, n - r * c)))
-        out.append(row)
-    return out
-
-
-def pack_chunks_into(
-    plan: Dim0Plan, chunks: Sequence[torch.Tensor | None], out: torch.Tensor
-) -> None:
-    """``plan`` backwards, first half: every parameter's dim-0 chunk
-    (``chunks[i]``, None for zeros) into ``out``, laid out as the save's
-    receive buffer (``recv_segments``), i.e. what a sharded load sends to
-    each rank (``recv_sizes[d]`` elements to rank ``d``). One C batch."""
-    if len(chunks) != len(plan.chunk_numels):
-        raise ValueError(f"expected {len(plan.chunk_numels)} chunks, got {len(chunks)}")
-    if out.dim() != 1 or out.numel() != sum(plan.recv_sizes):
-        raise ValueError(
-            f"the send buffer needs {sum(plan.recv_sizes)} elements, got shape {tuple(out.shape)}"
-        )
-    items = []
-    for i, (c, segs) in enumerate(zip(chunks, plan.recv_segments)):
-        if c is None:
-            continue
-        if c.numel() != plan.chunk_numels[i]:
-            raise ValueError(
-                f"parameter {i}'s chunk has {c.numel()} elements, expected {plan.chunk_numels[i]}"
-            )
-        flat, at = c.reshape(-1), 0
-        for pos, k in segs:
-            items.append((pos, flat[at : at + k]))
-            at += k
-    place_many([(out, items)])
-
-
-def shard_pieces(plan: Dim0Plan, recv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """``plan`` backwards, second half: a received buffer (laid out as the
-    save's send buffer, ``send_sizes[s]`` elements from rank ``s``) as
-    ``(offset in this rank's flat shard, view of recv)`` pairs; the rest of
-    the shard is padding. ``place_many`` writes them."""
-    if recv.dim() != 1 or recv.numel() != sum(plan.send_sizes):
-        raise ValueError(
-            f"the receive buffer needs {sum(plan.send_sizes)} elements, "
-            f"got shape {tuple(recv.shape)}"
-        )
-    out, pos = [], 0
-    for off, n in plan.send_segments:
-        out.append((off, recv[pos : pos + n]))
-        pos += n
-    return out
