@@ -30,6 +30,7 @@ def _handle(shapes: list[tuple[int, ...]], world_size: int, align: int) -> Simpl
         flat_param=SimpleNamespace(_shapes=[torch.Size(s) for s in shapes]),
         world_size=world_size,
         _aligned_numel=align,
+        uses_sharded_strategy=True,
     )
 
 
