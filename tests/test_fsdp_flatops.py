@@ -1,4 +1,5 @@
-"""shardstate.fsdp._flatops on the C layout, in one process, against torch-op references.
+"""shardstate.fsdp._flatops and _dim0 on the C layout, in one process, against torch-op
+references.
 
 The multi-process checks against torch's own FlatParamHandle live in
 tests/test_fsdp_optim.py; here every operation runs on layouts of many
@@ -18,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardstate.fsdp import _flatops
+from shardstate.fsdp import _dim0, _flatops
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
 
@@ -29,6 +30,7 @@ def _handle(shapes: list[tuple[int, ...]], world_size: int, align: int) -> Simpl
         flat_param=SimpleNamespace(_shapes=[torch.Size(s) for s in shapes]),
         world_size=world_size,
         _aligned_numel=align,
+        uses_sharded_strategy=True,
     )
 
 
@@ -58,7 +60,7 @@ def _ranks(shapes, world_size: int, align: int) -> tuple[list[Any], list[Any]]:
     """Every rank's sharded unit layout and dim-0 plan."""
     handle = _handle(shapes, world_size, align)
     layouts = [_flatops.unit_layout(handle, world_size, r, True) for r in range(world_size)]
-    return layouts, [_flatops.dim0_plan(lay) for lay in layouts]
+    return layouts, [_dim0.dim0_plan(lay) for lay in layouts]
 
 
 def _chunk_ref(p: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -190,12 +192,12 @@ def test_dim0_all_to_all_backwards_simulated(shapes, world_size, align, dtype, s
             for p in pieces
         ]
         send = torch.full((sum(plan.recv_sizes),), 7, dtype=dtype)
-        _flatops.pack_chunks_into(plan, chunks, send)
+        _dim0.pack_chunks_into(plan, chunks, send)
         sends.append(list(send.split(list(plan.recv_sizes))))
     for me, (lay, plan) in enumerate(zip(layouts, plans)):
         recv = torch.cat([sends[s][me] for s in range(world_size)])
         shard = torch.full((lay.shard_numel,), 7, dtype=dtype)
-        _flatops.place_many([(shard, _flatops.shard_pieces(plan, recv))])
+        _flatops.place_many([(shard, _dim0.shard_pieces(plan, recv))])
         want = torch.empty(lay.shard_numel, dtype=dtype)
         _flatops.flatten_shard_into(lay, pieces, me, want)
         assert torch.equal(shard, want), me
@@ -217,7 +219,7 @@ def test_dim0_messages_simulated(shapes, world_size, align, dtype, seed) -> None
     # gives back flatten_shard_into's flat shard (padding zeroed).
     pieces = _pieces(shapes, dtype, seed)
     layouts, plans = _ranks(shapes, world_size, align)
-    msgs = [_flatops.dim0_messages(plan) for plan in plans]
+    msgs = [_dim0.dim0_messages(plan) for plan in plans]
     shards = []
     for lay in layouts:
         shard = torch.empty(lay.shard_numel, dtype=dtype)
@@ -262,15 +264,15 @@ def test_place_many_and_chunk_numels() -> None:
         _flatops.place_many([(out, [(7, torch.ones(2))])])
     shapes = [torch.Size([5, 2]), torch.Size([1]), torch.Size([4])]
     chunks = [torch.chunk(torch.empty(s), 3) for s in shapes]
-    assert _flatops.dim0_chunk_numels(shapes, 3) == [
+    assert _dim0.dim0_chunk_numels(shapes, 3) == [
         [c[r].numel() if r < len(c) else 0 for c in chunks] for r in range(3)
     ]
-    assert _flatops.dim0_chunk_numels([torch.Size([0, 2])], 2) is None
-    plan = _flatops.dim0_plan(_flatops.unit_layout(_handle([(4,), (3,)], 2, 0), 2, 0, True))
+    assert _dim0.dim0_chunk_numels([torch.Size([0, 2])], 2) is None
+    plan = _dim0.dim0_plan(_flatops.unit_layout(_handle([(4,), (3,)], 2, 0), 2, 0, True))
     with pytest.raises(ValueError, match="chunk has 1 elements, expected 2"):
-        _flatops.pack_chunks_into(plan, [torch.ones(1), None], torch.empty(4))
+        _dim0.pack_chunks_into(plan, [torch.ones(1), None], torch.empty(4))
     with pytest.raises(ValueError, match="receive buffer needs"):
-        _flatops.shard_pieces(plan, torch.empty(1))
+        _dim0.shard_pieces(plan, torch.empty(1))
 
 
 def test_no_shard_aligned_world_padding_is_zeroed() -> None:
@@ -324,4 +326,4 @@ def test_bad_input_is_refused() -> None:
         )
     with pytest.raises(AssertionError, match="world size 2, its state 3"):
         _flatops.unit_layout(_handle([(2,)], 2, 0), 3, 0, True)
-    assert _flatops.dim0_plan(_flatops.unit_layout(_handle([(2,), ()], 2, 0), 2, 0, True)) is None
+    assert _dim0.dim0_plan(_flatops.unit_layout(_handle([(2,), ()], 2, 0), 2, 0, True)) is None

@@ -1,4 +1,5 @@
-"""shardstate.fsdp._layout against torch 2.13's own FlatParameter code.
+"""The FSDP1 flat layout (the C core's ``FlatLayout``) and ``shardstate.fsdp._flatops``'
+copy batches against torch 2.13's own FlatParameter code.
 
 The oracle is torch itself: ``FlatParamHandle`` built on CPU for any rank
 and world size (it reads only ``rank()`` and ``size()`` from its process
@@ -20,13 +21,15 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardstate import ShardstateError
-from shardstate.fsdp._layout import (
+from shardstate._core import FlatLayout
+from shardstate.fsdp._flatops import (
     FLAT_PARAM_PADDING_VALUE,
-    FlatLayout,
     ShardParamInfo,
-    aligned_numel,
+    flat_views,
     flatten_many,
+    shard_infos,
     unflatten_many,
+    unit_layout,
 )
 from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
 from torch.distributed.fsdp._optim_utils import _flatten_tensor_optim_state
@@ -72,12 +75,27 @@ def _handle(values, rank, world_size, use_orig_params):
     return h
 
 
+def _aligned_numel(itemsize: int) -> int:
+    """torch's ``_get_aligned_numel`` for use_orig_params=True: elements per 16 bytes."""
+    return 16 // itemsize
+
+
 def _layout_for(values, world_size, use_orig_params):
     itemsize = values[0].element_size()
     return FlatLayout(
         [v.numel() for v in values], world_size,
-        align_numel=aligned_numel(itemsize) if use_orig_params else 0, itemsize=itemsize,
+        align_numel=_aligned_numel(itemsize) if use_orig_params else 0,
     )
+
+
+def _flatten(layout, pieces, rank, out, **kw):
+    """One flatten job: rank's shard of the flat parameter built from pieces, into out."""
+    flatten_many([(layout, rank, pieces, out)], **kw)
+
+
+def _unflatten_into(layout, shard, rank, outs):
+    """One unflatten job: rank's shard into the parameters' buffers."""
+    unflatten_many([(layout, rank, shard, outs)])
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -127,13 +145,19 @@ def test_layout_and_shard_equal_flat_param_handle(shapes, dtype, use_orig_params
             real = [o for o, pad in zip(offsets, fp._is_padding_mask) if not pad]
             assert layout.offsets == tuple(real)
             assert layout.unpadded_numel == real[-1] + layout.numels[-1]
-            infos = layout.shard_infos(rank)
+            infos = shard_infos(layout, rank)
             assert all(type(i) is ShardParamInfo for i in infos)
             assert [tuple(i) for i in infos] == [tuple(i) for i in fp._shard_param_infos]
-            assert FlatLayout.from_handle(h) == layout
+            # the unit layout _flatops builds from the handle is the same layout
+            unit = unit_layout(h, world_size, rank, True)
+            assert unit.shard_infos == infos
+            assert (unit.flat.numels, unit.flat.world_size, unit.flat.align_numel) == (
+                layout.numels, world_size, layout.align_numel)
+            assert (unit.offsets, unit.shard_numel, unit.padded_numel) == (
+                layout.offsets, layout.shard_numel, layout.padded_numel)
             # flatten of the original values is torch's local shard, bit for bit
             out = torch.full((layout.shard_numel,), -7.0, dtype=dtype)
-            layout.flatten(values, rank, out)
+            _flatten(layout, values, rank, out)
             assert np.array_equal(_bits(out), _bits(fp))
 
 
@@ -179,7 +203,7 @@ def test_flatten_optimizer_state_equals_torch(dtype):
                                                [torch.Size(s) for s in shapes], h)
             want, _ = FlatParamHandle._get_shard(flat, rank, world_size)
             out = torch.empty(layout.shard_numel, dtype=dtype)
-            layout.flatten(states, rank, out)
+            _flatten(layout, states, rank, out)
             assert np.array_equal(_bits(out), _bits(want))
 
 
@@ -197,7 +221,7 @@ def test_flatten_tensors_aligned_equal_torch(dtype):
             flat = h.flatten_tensors([s.flatten() for s in states], h._aligned_numel)
             want, _ = FlatParamHandle._get_shard(flat, rank, world_size)
             out = torch.empty(layout.shard_numel, dtype=dtype)
-            layout.flatten(states, rank, out)
+            _flatten(layout, states, rank, out)
             assert np.array_equal(_bits(out), _bits(want))
             if any(layout.is_padding_mask):
                 assert FLAT_PARAM_PADDING_VALUE in out.float().tolist()
@@ -213,7 +237,7 @@ def test_unflatten_views_and_round_trip():
             flatten_many([(layout, r, values, shards[r]) for r in range(world_size)], threads=2)
             full = torch.cat(shards)
             assert full.numel() == layout.padded_numel
-            views = layout.unflatten(full)
+            views = flat_views(layout, full)
             for v, t in zip(views, values):
                 assert torch.equal(v, t.flatten())
                 assert v.data_ptr() >= full.data_ptr()  # a view, not a copy
@@ -221,7 +245,7 @@ def test_unflatten_views_and_round_trip():
             assert full[layout.offsets[0]] == 123.0
             # numpy in, numpy views out; flat_numel long also accepted
             arr = full.numpy()[: layout.flat_numel]
-            assert all(np.shares_memory(a, arr) for a in layout.unflatten(arr) if a.size)
+            assert all(np.shares_memory(a, arr) for a in flat_views(layout, arr) if a.size)
             # scatter every rank's shard back into fresh buffers
             back = [torch.zeros(t.numel()) for t in values]
             unflatten_many([(layout, r, shards[r], back) for r in range(world_size)])
@@ -233,16 +257,16 @@ def test_unflatten_views_and_round_trip():
 def test_unflatten_into_partial_pieces_and_skips():
     """Pieces may be dim-0 parts of a parameter as (buffer, start), or None."""
     values = _values([(6, 2), (4,)], torch.float64, seed=8)
-    layout = FlatLayout([12, 4], 2)  # shards of 8: rank 1 = p0[8:12], p1[0:4]
+    layout = FlatLayout([12, 4], 2, 0)  # shards of 8: rank 1 = p0[8:12], p1[0:4]
     shard = torch.empty(8, dtype=torch.float64)
     flat0 = values[0].flatten()
-    layout.flatten([(flat0[6:].clone(), 6), values[1]], 1, shard)
+    _flatten(layout, [(flat0[6:].clone(), 6), values[1]], 1, shard)
     assert torch.equal(shard, torch.cat([flat0[8:], values[1]]))
     part = torch.zeros(4, dtype=torch.float64)  # rows 3..4 of p0 = elements [6, 10)
-    layout.unflatten_into(shard, 1, [(part, 6), None])
+    _unflatten_into(layout, shard, 1, [(part, 6), None])
     assert torch.equal(part, torch.cat([torch.zeros(2, dtype=torch.float64), flat0[8:10]]))
     with pytest.raises(ShardstateError, match="parameter 0"):  # misses element 8
-        layout.flatten([(flat0[9:].clone(), 9), values[1]], 1, shard)
+        _flatten(layout, [(flat0[9:].clone(), 9), values[1]], 1, shard)
 
 
 def test_many_units_one_call_on_threads():
@@ -268,56 +292,56 @@ def test_many_units_one_call_on_threads():
 
 
 def test_bad_inputs_raise():
-    layout = FlatLayout([4, 3], 2)  # shards of 4
+    layout = FlatLayout([4, 3], 2, 0)  # shards of 4
     good = [np.zeros(4, np.float32), np.zeros(3, np.float32)]
     out = np.empty(4, np.float32)
     with pytest.raises(ValueError, match="at least one"):
-        FlatLayout([], 2)
+        FlatLayout([], 2, 0)
     with pytest.raises(ValueError, match="world_size"):
-        FlatLayout([1], 0)
-    with pytest.raises(ValueError, match=r"numels\[1\]"):
-        FlatLayout([1, -1], 2)
+        FlatLayout([1], 0, 0)
+    with pytest.raises(ValueError, match="parameter 1 has numel -1"):
+        FlatLayout([1, -1], 2, 0)
     with pytest.raises(ValueError, match="align_numel"):
         FlatLayout([1], 2, align_numel=-4)
     with pytest.raises(TypeError):
-        FlatLayout([1.5], 2)
+        FlatLayout([1.5], 2, 0)
     with pytest.raises(ShardstateError, match="overflows"):
-        FlatLayout([2**62, 2**62], 2)
+        FlatLayout([2**62, 2**62], 2, 0)
     with pytest.raises(ValueError, match="rank 2"):
         layout.shard_infos(2)
     with pytest.raises(ValueError, match="rank -1"):
-        layout.flatten(good, -1, out)
+        _flatten(layout, good, -1, out)
     with pytest.raises(ValueError, match="bad range"):
         layout.range_infos(3, 2)
     with pytest.raises(ValueError, match="out has 5 elements"):
-        layout.flatten(good, 0, np.empty(5, np.float32))
+        _flatten(layout, good, 0, np.empty(5, np.float32))
     with pytest.raises(ValueError, match="dtype float64, expected float32"):
-        layout.flatten([good[0], np.zeros(3)], 0, out)
+        _flatten(layout, [good[0], np.zeros(3)], 0, out)
     with pytest.raises(ValueError, match="dtype int16, expected bfloat16"):
-        layout.flatten([torch.zeros(4, dtype=torch.int16), None], 0,
-                       torch.empty(4, dtype=torch.bfloat16))
+        _flatten(layout, [torch.zeros(4, dtype=torch.int16), None], 0,
+                 torch.empty(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"pieces\[1\] has 2 elements"):
-        layout.flatten([good[0], np.zeros(2, np.float32)], 0, out)
+        _flatten(layout, [good[0], np.zeros(2, np.float32)], 0, out)
     with pytest.raises(ValueError, match="2 pieces for 3"):
-        FlatLayout([1, 1, 1], 1).flatten(good, 0, np.empty(3, np.float32))
+        _flatten(FlatLayout([1, 1, 1], 1, 0), good, 0, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="byte order"):
-        layout.flatten([np.zeros(4, ">f4"), None], 0, out)
+        _flatten(layout, [np.zeros(4, ">f4"), None], 0, out)
     with pytest.raises(ValueError, match="C-contiguous"):
-        layout.flatten([np.zeros(8, np.float32)[::2], good[1]], 0, out)
+        _flatten(layout, [np.zeros(8, np.float32)[::2], good[1]], 0, out)
     with pytest.raises(ValueError, match="contiguous"):
-        layout.flatten([torch.zeros(2, 2).t(), None], 0, out)
+        _flatten(layout, [torch.zeros(2, 2).t(), None], 0, out)
     ro = np.empty(4, np.float32)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        layout.flatten(good, 0, ro)
+        _flatten(layout, good, 0, ro)
     with pytest.raises(TypeError, match="numpy.ndarray or a CPU torch.Tensor"):
-        layout.flatten([[0.0] * 4, None], 0, out)
+        _flatten(layout, [[0.0] * 4, None], 0, out)
     with pytest.raises(ValueError, match=r"holds elements \[2, 6\)"):
-        layout.unflatten_into(out, 0, [(np.zeros(4, np.float32), 2), None])
+        _unflatten_into(layout, out, 0, [(np.zeros(4, np.float32), 2), None])
     with pytest.raises(ValueError, match="1-D"):
-        layout.unflatten(np.zeros((2, 4), np.float32))
+        flat_views(layout, np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match="expected 7 .* or 8"):
-        layout.unflatten(np.zeros(6, np.float32))
+        flat_views(layout, np.zeros(6, np.float32))
     with pytest.raises(TypeError, match="FlatLayout"):
         flatten_many([("layout", 0, good, out)])
     # the same out twice, and writing into a source
@@ -325,7 +349,7 @@ def test_bad_inputs_raise():
         flatten_many([(layout, 0, good, out), (layout, 1, good, out)])
     with pytest.raises(ShardstateError, match="overlap"):
         buf = np.zeros(8, np.float32)
-        layout.flatten([buf[2:6], None], 0, buf[4:])
+        _flatten(layout, [buf[2:6], None], 0, buf[4:])
     # nothing was written by a failed batch
     out[:] = 5.0
     with pytest.raises(ValueError):
@@ -334,13 +358,13 @@ def test_bad_inputs_raise():
 
 
 def test_bfloat16_padding_value_is_torchs():
-    layout = FlatLayout([1, 3], 2, align_numel=8, itemsize=2)
+    layout = FlatLayout([1, 3], 2, align_numel=8)
     out = torch.empty(layout.shard_numel, dtype=torch.bfloat16)
-    layout.flatten([torch.ones(1, dtype=torch.bfloat16), None], 0, out)
+    _flatten(layout, [torch.ones(1, dtype=torch.bfloat16), None], 0, out)
     assert out.tolist() == [1.0] + [42.0] * 5  # [p0, 7 alignment pad | ...]
-    layout.flatten([None, torch.ones(3, dtype=torch.bfloat16)], 1, out)
+    _flatten(layout, [None, torch.ones(3, dtype=torch.bfloat16)], 1, out)
     assert out.tolist() == [42.0, 42.0, 1.0, 1.0, 1.0, 42.0]  # p1 at 8, 1 world-size pad
-    layout.flatten([None, torch.full((3,), 2.0, dtype=torch.bfloat16)], 1, out, pad_value=0)
+    _flatten(layout, [None, torch.full((3,), 2.0, dtype=torch.bfloat16)], 1, out, pad_value=0)
     assert out.tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, 0.0]
 
 
@@ -360,7 +384,7 @@ def test_property_against_flat_param_handle(numels, world_size, use_orig_params,
     if sum(numels) == 0:  # torch cannot shard an empty flat parameter
         layout = _layout_for(values, world_size, use_orig_params)
         assert layout.shard_numel == 0
-        assert not any(i.in_shard for i in layout.shard_infos(rank))
+        assert not any(i.in_shard for i in shard_infos(layout, rank))
         return
     h = _handle(values, rank, world_size, use_orig_params)
     layout = _layout_for(values, world_size, use_orig_params)
@@ -368,11 +392,11 @@ def test_property_against_flat_param_handle(numels, world_size, use_orig_params,
     assert [tuple(i) for i in layout.shard_infos(rank)] == [
         tuple(i) for i in h.flat_param._shard_param_infos]
     out = torch.empty(layout.shard_numel, dtype=dtype)
-    layout.flatten(values, rank, out)
+    _flatten(layout, values, rank, out)
     assert np.array_equal(_bits(out), _bits(h.flat_param))
     back = [torch.zeros_like(v) for v in values]
-    layout.unflatten_into(out, rank, back)
-    for b, v, info in zip(back, values, layout.shard_infos(rank)):
+    _unflatten_into(layout, out, rank, back)
+    for b, v, info in zip(back, values, shard_infos(layout, rank)):
         if info.in_shard:
             sl = slice(info.intra_param_start_idx, info.intra_param_end_idx + 1)
             assert torch.equal(b[sl], v[sl])
@@ -457,25 +481,25 @@ def test_real_fsdp1_units(run_distributed, world_size):
                 assert [tuple(i) for i in layout.shard_infos(rank)] == u["infos"]
                 pieces = [torch.from_numpy(originals[f]).view(dtype) for f in u["fqns"]]
                 out = torch.empty(layout.shard_numel, dtype=dtype)
-                layout.flatten(pieces, rank, out)
+                _flatten(layout, pieces, rank, out)
                 assert np.array_equal(_bits(out), u["shard"]), (rank, u["fqns"])
 
 
-def test_from_handle_refuses_no_shard():
+def test_unit_layout_refuses_no_shard():
     module = _Params(_values([(3,)], torch.float32))
     h = FlatParamHandle(
         list(module.parameters()), module, torch.device("cpu"), HandleShardingStrategy.NO_SHARD,
         False, None, None, False, _PG(0, 2), True,
     )
     with pytest.raises(ValueError, match="NO_SHARD"):
-        FlatLayout.from_handle(h)
+        unit_layout(h, 2, 0, True)
 
 
 def test_batch_mixes_dtypes_and_units():
     """One call with float64 numpy state, bfloat16 tensors and float16 state
     of different units: each job uses its own element size and padding."""
-    a = FlatLayout([5, 2], 3)
-    b = FlatLayout([3, 9], 2, align_numel=8, itemsize=2)
+    a = FlatLayout([5, 2], 3, 0)
+    b = FlatLayout([3, 9], 2, align_numel=8)
     pa = [np.arange(5, dtype=np.float64), np.arange(2, dtype=np.float64) + 10]
     pb = [torch.arange(3, dtype=torch.bfloat16), torch.arange(9, dtype=torch.bfloat16) + 20]
     pc = [None, torch.full((9,), 3.0, dtype=torch.float16)]

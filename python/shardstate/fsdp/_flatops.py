@@ -1,40 +1,69 @@
-"""The few FlatParameter layout and bulk-copy operations the optimizer-state code needs.
+"""FSDP1 flat-parameter layout and the bulk copies between flat shards and per-parameter state.
 
 Everything that knows how an FSDP1 unit lays its parameters out in one flat
 buffer, or that copies state between that flat layout and per-parameter
-tensors, goes through this module and nothing else in ``shardstate.fsdp``
-does. The layout is the C core's (``_layout.FlatLayout``, ``ss_flat``),
-computed from the unit's parameter shapes, world size and alignment; the
-bulk copies are C copy jobs run with the GIL released:
+tensors, lives here (the dim-0 all-to-all plans on top of it: ``_dim0``).
+The layout is the C core's ``_core.FlatLayout`` (``ss_flat``), computed
+from the unit's parameter shapes, world size and alignment exactly as torch
+2.13's ``FlatParamHandle`` does (``torch/distributed/fsdp/_flat_param.py``):
 
-    unit_layout          FlatLayout(numels, world_size, align_numel=handle._aligned_numel)
-    unflatten            FlatLayout.unflatten + a reshape per parameter (views)
-    flatten_shard_into   FlatLayout.flatten(pieces, rank, out, pad_value=0)
+- parameters in order; with ``align_numel > 0`` (``use_orig_params=True``,
+  where torch uses ``16 // itemsize``) padding is inserted before a
+  parameter when the running total is not a multiple of ``align_numel``,
+  and after the last one up to a multiple of ``world_size``
+  (``_init_flat_param_and_metadata``);
+- sharding as ``torch.chunk`` + ``F.pad`` (``_get_shard``): every rank's
+  shard has ``ceil(flat_numel / world_size)`` elements, and a rank past the
+  last chunk holds only padding;
+- per rank, per parameter, ``ShardParamInfo`` equal to torch's
+  ``_ShardParamInfo`` (``_get_shard_metadata``).
+
+The C layout itself is used as it is (its properties, ``shard_range``,
+``shard_infos`` and ``range_infos`` are torch's). Two layers sit on it:
+
+    flatten_many / unflatten_many   batches of copies on C layouts, any buffers
+    shard_infos, flat_views         a rank's ShardParamInfos; each parameter's range of a
+                                    whole flat buffer
+    UnitLayout, unit_layout, layout_of   one rank's view of one FSDP unit, and its copies:
+    unflatten            flat_views + a reshape per parameter (views)
+    flatten_shard_into   flatten_many(pieces, rank, out, pad_value=0)
     flatten_full_into    every rank's shard in one flatten_many batch
-    pack_local_into      FlatLayout.flatten of (piece, intra_param_start_idx) parts
+    pack_local_into      flatten of (piece, intra_param_start_idx) parts
     pack_local_segments_into  the all-to-all send buffer straight from those parts
     pack_segments(_many) flatten_many over layouts whose "parameters" are the segments
     place_many           the reverse: pieces written at given offsets, the gaps zeroed
-    pack_chunks_into     dim0_plan backwards: dim-0 chunks -> what a sharded load sends
-    shard_pieces         ... and where the received pieces go in the flat shard
-    dim0_chunk_numels    torch.chunk(param, W, dim=0)'s sizes, per parameter and rank
+    local_segment_views  segments of the shard pack_local_into would build, as views
+    shard_spans, zero_padding   where the parameters lie in the shard; the rest zeroed
     slice_local          one torch copy (a single slice; as one C batch per unit it
                          measured ~1.3x slower than torch's clone single-threaded)
+
+``flatten_many`` builds a rank's shard exactly as
+``FlatParamHandle._get_shard(handle.flatten_tensors(pieces, align), rank,
+world_size)[0]`` does, bit for bit: padding inside the flat parameter holds
+``_FLAT_PARAM_PADDING_VALUE`` (42) as torch's ``_construct_padding_tensor``
+makes it (aligned mode only), the ``F.pad`` tail holds 0, and a missing
+piece (``None``) is zeros as in torch's optimizer-state flattening. Pass
+``pad_value`` to choose another padding value. Its buffers are NumPy arrays
+or CPU torch tensors (bfloat16 and other dtypes NumPy lacks are viewed as
+same-width ints); every one is checked for dtype, size, contiguity and
+writability with a ValueError naming it. The copies of a whole batch run in
+one C call with the GIL released, split over a thread pool.
 
 Only the parameters' shapes (``flat_param._shapes``, which the C layout
 cannot know) and the handle's alignment are read from torch; offsets,
 sizes, padding and shard infos are the C layout's, equal to torch's
 (tests/test_fsdp_layout.py, tests/test_fsdp_optim.py check both).
 
-Padding: torch's optimizer-state flattening (``_flatten_tensor_optim_state``,
-``use_orig_params=False``, no alignment) pads a shard with 0; every copy here
-fills padding with 0, also in aligned (``use_orig_params=True``) layouts,
-where the local flat state is never returned and only the parameters'
-ranges are read from it.
+Padding in the unit copies: torch's optimizer-state flattening
+(``_flatten_tensor_optim_state``, ``use_orig_params=False``, no alignment)
+pads a shard with 0; every ``UnitLayout`` copy fills padding with 0, also in
+aligned (``use_orig_params=True``) layouts, where the local flat state is
+never returned and only the parameters' ranges are read from it.
 
-Buffers: CPU tensors go to C as they are (contiguous views, no staging copy);
-a piece that is not contiguous is made so first, and a buffer on another
-device is staged through the CPU with one torch copy each way.
+Buffers of the unit copies: CPU tensors go to C as they are (contiguous
+views, no staging copy); a piece that is not contiguous is made so first,
+and a buffer on another device is staged through the CPU with one torch
+copy each way.
 
 Invariants: a ``UnitLayout`` describes one rank's view of one FlatParameter
 and never changes; every offset it hands out lies inside the buffers it
@@ -45,37 +74,273 @@ communicates; nothing here keeps a reference to the tensors it is given.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
+from torch.distributed.fsdp.api import ShardingStrategy
 
-from ._layout import FlatLayout, ShardParamInfo, flatten_many
+from .. import _core
+from ..io import _pool_for
 
 __all__ = [
-    "Dim0Plan",
+    "FLAT_PARAM_PADDING_VALUE",
+    "ShardParamInfo",
     "UnitLayout",
-    "dim0_plan",
+    "flat_views",
     "flatten_full_into",
+    "flatten_many",
     "flatten_shard_into",
+    "is_sharded",
+    "layout_of",
+    "local_segment_views",
     "pack_local_into",
     "pack_local_segments_into",
     "pack_segments",
     "pack_segments_many",
     "place_many",
-    "dim0_chunk_numels",
-    "pack_chunks_into",
-    "shard_pieces",
+    "shard_infos",
+    "shard_spans",
     "slice_local",
     "unflatten",
+    "unflatten_many",
     "unit_layout",
+    "zero_padding",
 ]
+
+FlatLayout = _core.FlatLayout  # the C layout, used as it is (no Python wrapper)
+
+# torch.distributed.fsdp._flat_param._FLAT_PARAM_PADDING_VALUE
+FLAT_PARAM_PADDING_VALUE = 42
 
 _CPU = torch.device("cpu")
 
+
+class ShardParamInfo(NamedTuple):
+    """torch.distributed.fsdp._flat_param._ShardParamInfo, field for field.
+
+    ``flat_shard[offset_in_shard : offset_in_shard + numel_in_shard]`` is
+    ``param.flatten()[intra_param_start_idx : intra_param_end_idx + 1]``.
+    """
+
+    in_shard: bool
+    offset_in_shard: int | None
+    numel_in_shard: int | None
+    intra_param_start_idx: int | None
+    intra_param_end_idx: int | None  # inclusive, as torch
+
+
+# ---------------------------------------------------------------------------
+# Batches of copies on C layouts (NumPy arrays or CPU tensors)
+# ---------------------------------------------------------------------------
+
+
+def shard_infos(flat: FlatLayout, rank: int) -> tuple[ShardParamInfo, ...]:
+    """One ShardParamInfo per real parameter, equal to torch's
+    ``flat_param._shard_param_infos`` on ``rank``."""
+    return tuple(ShardParamInfo._make(t) for t in flat.shard_infos(rank))
+
+
+def flat_views(flat: FlatLayout, flat_full: Any) -> list[Any]:
+    """Views (no copy) of each parameter's range in a whole flat parameter:
+    a 1-D array or tensor of ``flat_numel`` or ``padded_numel`` elements."""
+    shape = getattr(flat_full, "shape", None)
+    if shape is None or len(shape) != 1:
+        raise ValueError(
+            "unflatten: flat_full must be a 1-D array or tensor, got "
+            + type(flat_full).__name__
+            + (f" of shape {tuple(shape)}" if shape is not None else "")
+        )
+    if shape[0] not in (flat.flat_numel, flat.padded_numel):
+        raise ValueError(
+            f"unflatten: flat_full has {shape[0]} elements, expected {flat.flat_numel} "
+            f"(flat) or {flat.padded_numel} (padded)"
+        )
+    return [flat_full[o : o + n] for o, n in zip(flat.offsets, flat.numels)]
+
+
+# torch dtypes Tensor.numpy() converts (decided up front: a C++ exception
+# under an LD_PRELOADed ASan runtime aborts).
+_NUMPY_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+})
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Buf(NamedTuple):
+    array: np.ndarray  # shares the memory
+    dtype: str  # the original dtype's name (bfloat16 stays bfloat16)
+    torch_dtype: Any  # for tensors, else None
+
+
+def _as_buf(x: Any, what: str, *, writable: bool) -> _Buf:
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous")
+        if writable and not x.flags.writeable:
+            raise ValueError(f"{what} is read-only")
+        if x.dtype.hasobject:
+            raise ValueError(f"{what} holds Python objects")
+        if not x.dtype.isnative:
+            raise ValueError(f"{what} has non-native byte order ({x.dtype.str})")
+        return _Buf(x, x.dtype.name, None)
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{what} is on {x.device}; only CPU tensors")
+        if not x.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+        t = x.detach()
+        if t.is_conj() or t.is_neg():
+            raise ValueError(f"{what} has a lazy conjugate/negative bit; resolve it first")
+        dtype = t.dtype
+        if dtype not in _NUMPY_DTYPES:
+            if t.element_size() not in _INTS:
+                raise ValueError(f"{what} has unsupported dtype {dtype}")
+            t = t.view(_INTS[t.element_size()])
+            name = str(dtype).removeprefix("torch.")
+        else:
+            name = None
+        a = t.numpy()
+        return _Buf(a, name or a.dtype.name, dtype)
+    raise TypeError(f"{what} must be a numpy.ndarray or a CPU torch.Tensor, got {type(x).__name__}")
+
+
+def _pad_bytes(out: _Buf, value: float) -> bytes | None:
+    """value as one element of out's dtype; None for all-zero bytes."""
+    if out.torch_dtype is not None and out.array.dtype.name != out.dtype:
+        t = torch.tensor([value], dtype=out.torch_dtype)
+        raw = t.view(torch.uint8).numpy().tobytes()
+    else:
+        raw = np.array(value, dtype=out.array.dtype).tobytes()
+    return None if not any(raw) else raw
+
+
+def _piece(p: Any, what: str, numel: int, dtype: str, *, writable: bool) -> tuple[np.ndarray, int]:
+    """A parameter's buffer as (1-D array, start): a whole parameter, or a
+    (buffer, start) pair holding elements [start, start + size)."""
+    partial = isinstance(p, tuple)
+    start = 0
+    if partial:
+        if len(p) != 2:
+            raise ValueError(f"{what} must be a buffer or a (buffer, start) pair")
+        p, start = p
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise TypeError(f"{what}: start must be an int, got {type(start).__name__}")
+        start = int(start)
+    b = _as_buf(p, what, writable=writable)
+    if b.dtype != dtype:
+        raise ValueError(f"{what} has dtype {b.dtype}, expected {dtype}")
+    n = b.array.size
+    if partial:
+        if start < 0 or start + n > numel:
+            raise ValueError(
+                f"{what} holds elements [{start}, {start + n}) of a parameter of {numel}"
+            )
+    elif n != numel:
+        raise ValueError(f"{what} has {n} elements, the parameter has {numel}")
+    return b.array.reshape(-1), start
+
+
+def _check_job(layout: Any, rank: Any, what: str) -> int:
+    if not isinstance(layout, FlatLayout):
+        raise TypeError(f"{what}: layout must be a FlatLayout, got {type(layout).__name__}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} outside [0, {layout.world_size})")
+    return int(rank)
+
+
+def flatten_many(
+    jobs: Iterable[tuple[FlatLayout, int, Sequence[Any], Any]],
+    *,
+    pad_value: float | None = None,
+    threads: int | None = None,
+) -> None:
+    """Write rank's shard of the flat parameter built from ``pieces`` into
+    ``out`` (contiguous, ``shard_numel`` elements) for every ``(layout,
+    rank, pieces, out)`` job, in one C call: all buffers are checked first,
+    then every copy of the batch runs with the GIL released on a thread pool
+    (``threads`` counts the calling thread; default: the I/O default).
+
+    ``pieces[i]``: parameter i's data, a contiguous array or tensor of
+    ``numels[i]`` elements (any shape), or ``(buffer, start)`` holding its
+    flattened elements ``[start, start + buffer.size)`` (enough to cover
+    rank's part of it), or ``None`` for zeros. All share ``out``'s dtype.
+    Padding gets ``pad_value`` (default: torch's, see the module docstring).
+    Destinations that overlap each other or a source raise ShardstateError.
+    """
+    cjobs = []
+    for j, job in enumerate(jobs):
+        if not isinstance(job, tuple) or len(job) != 4:
+            raise TypeError(f"flatten job {j} must be a (layout, rank, pieces, out) tuple")
+        layout, rank, pieces, out = job
+        what = f"flatten job {j}"
+        rank = _check_job(layout, rank, what)
+        o = _as_buf(out, f"{what}: out", writable=True)
+        if o.array.size != layout.shard_numel:
+            raise ValueError(
+                f"{what}: out has {o.array.size} elements, the shard has {layout.shard_numel}"
+            )
+        numels = layout.numels
+        if len(pieces) != len(numels):
+            raise ValueError(f"{what}: {len(pieces)} pieces for {len(numels)} parameters")
+        cp = []
+        for i, (p, n) in enumerate(zip(pieces, numels)):
+            if p is None:
+                cp.append(None)
+                continue
+            cp.append(_piece(p, f"{what}: pieces[{i}]", n, o.dtype, writable=False))
+        value = pad_value
+        if value is None:
+            value = FLAT_PARAM_PADDING_VALUE if layout.align_numel > 0 else 0
+        cjobs.append((layout, rank, o.array.reshape(-1), cp, _pad_bytes(o, value)))
+    _core.flat_copy(cjobs, False, _pool_for(None, threads))
+
+
+def unflatten_many(
+    jobs: Iterable[tuple[FlatLayout, int, Any, Sequence[Any]]],
+    *,
+    threads: int | None = None,
+) -> None:
+    """Copy rank's ``shard`` into the parameters' buffers for every
+    ``(layout, rank, shard, outs)`` job, in one C call (see
+    :func:`flatten_many`): ``outs[i]`` is a contiguous writable buffer of
+    parameter i (``numels[i]`` elements, or ``(buffer, start)`` for a part of
+    it), or None to skip. Only the elements the shard holds are written."""
+    cjobs = []
+    for j, job in enumerate(jobs):
+        if not isinstance(job, tuple) or len(job) != 4:
+            raise TypeError(f"unflatten job {j} must be a (layout, rank, shard, outs) tuple")
+        layout, rank, shard, outs = job
+        what = f"unflatten job {j}"
+        rank = _check_job(layout, rank, what)
+        s = _as_buf(shard, f"{what}: shard", writable=False)
+        if s.array.size != layout.shard_numel:
+            raise ValueError(
+                f"{what}: shard has {s.array.size} elements, the layout's shard has "
+                f"{layout.shard_numel}"
+            )
+        numels = layout.numels
+        if len(outs) != len(numels):
+            raise ValueError(f"{what}: {len(outs)} outs for {len(numels)} parameters")
+        co = []
+        for i, (p, n) in enumerate(zip(outs, numels)):
+            if p is None:
+                co.append(None)
+                continue
+            co.append(_piece(p, f"{what}: outs[{i}]", n, s.dtype, writable=True))
+        cjobs.append((layout, rank, s.array.reshape(-1), co, None))
+    _core.flat_copy(cjobs, True, _pool_for(None, threads))
+
+
+# ---------------------------------------------------------------------------
+# One FSDP unit, as one rank sees it, and its copies (torch tensors)
+# ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class UnitLayout:
@@ -114,14 +379,30 @@ class UnitLayout:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
 
+def is_sharded(fsdp_state: Any) -> bool:
+    """Whether an FSDP state's units are sharded (not world size 1, not NO_SHARD)."""
+    return fsdp_state.world_size != 1 and fsdp_state.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+def layout_of(info: Any) -> UnitLayout:
+    """The layout of the unit of an ``FSDPParamInfo``, as its FSDP state's rank sees it."""
+    st = info.state
+    return unit_layout(info.handle, st.world_size, st.rank, is_sharded(st))
+
+
 def unit_layout(handle: Any, world_size: int, rank: int, sharded: bool) -> UnitLayout:
     """The layout of ``handle``'s FlatParameter (an FSDP1 ``FlatParamHandle``)."""
+    if sharded and not handle.uses_sharded_strategy:
+        raise ValueError(
+            "unit_layout: a NO_SHARD handle is not sharded (every rank holds its whole "
+            "flat parameter)"
+        )
     shapes = tuple(torch.Size(s) for s in handle.flat_param._shapes)
     numels = tuple(math.prod(s) for s in shapes)
     align = int(handle._aligned_numel)
     # torch's flat parameter: alignment padding, then (aligned mode only)
     # padding up to a multiple of the handle's world size, NO_SHARD included.
-    whole = FlatLayout(numels, int(handle.world_size), align_numel=align)
+    whole = FlatLayout(numels, int(handle.world_size), align)
     if sharded:
         if whole.world_size != world_size:
             raise AssertionError(
@@ -131,7 +412,7 @@ def unit_layout(handle: Any, world_size: int, rank: int, sharded: bool) -> UnitL
         shard_numel, padded = flat.shard_numel, flat.padded_numel
     else:
         world_size, rank = 1, 0
-        flat = FlatLayout(numels, 1, align_numel=align)
+        flat = FlatLayout(numels, 1, align)
         shard_numel = padded = whole.flat_numel
     return UnitLayout(
         world_size=world_size,
@@ -143,7 +424,7 @@ def unit_layout(handle: Any, world_size: int, rank: int, sharded: bool) -> UnitL
         unpadded_numel=whole.flat_numel,
         padded_numel=padded,
         shard_numel=shard_numel,
-        shard_infos=flat.shard_infos(rank),
+        shard_infos=shard_infos(flat, rank),
         flat=flat,
     )
 
@@ -155,7 +436,7 @@ def unflatten(layout: UnitLayout, flat_full: torch.Tensor) -> list[torch.Tensor]
             f"a full flat state needs at least {layout.unpadded_numel} elements in one "
             f"dimension, got shape {tuple(flat_full.shape)}"
         )
-    views = layout.flat.unflatten(flat_full[: layout.flat.flat_numel])
+    views = flat_views(layout.flat, flat_full[: layout.flat.flat_numel])
     return [v.view(shape) for v, shape in zip(views, layout.shapes)]
 
 
@@ -305,7 +586,7 @@ def pack_local_segments_into(
     if sum(sizes) != out.numel():
         raise ValueError(f"segments cover {sum(sizes)} of {out.numel()} elements")
     if segments:
-        _run_flatten([(FlatLayout(sizes, 1), 0, pieces, out)])
+        _run_flatten([(FlatLayout(sizes, 1, 0), 0, pieces, out)])
 
 
 def slice_local(
@@ -330,127 +611,6 @@ def slice_local(
         raise ValueError(f"a shard has {layout.shard_numel} elements, got {source.numel()}")
     off = info.offset_in_shard
     return source[off : off + info.numel_in_shard].clone()
-
-
-@dataclass(frozen=True)
-class Dim0Plan:
-    """How one unit's flat shards become every parameter's dim-0 chunks (an all-to-all).
-
-    Rank ``r``'s chunk of parameter ``i`` is ``torch.chunk(param, W, dim=0)[r]``
-    (empty where torch.chunk returns fewer than W chunks). This rank sends
-    ``send_sizes[d]`` elements to rank ``d``, packed from its flat shard by
-    ``send_segments`` ((offset in shard, numel) in order), and receives
-    ``recv_sizes[s]`` from rank ``s``; ``recv_segments[i]`` lists where
-    parameter ``i``'s chunk lies in the receive buffer, in order.
-    """
-
-    send_sizes: tuple[int, ...]
-    recv_sizes: tuple[int, ...]
-    send_segments: tuple[tuple[int, int], ...]
-    recv_segments: tuple[tuple[tuple[int, int], ...], ...]
-    chunk_numels: tuple[int, ...]
-
-
-def _chunk_numel(numel: int, rows: int, world_size: int) -> int:
-    """Elements in each of torch.chunk(param, world_size, dim=0) but the last ones."""
-    return -(-rows // world_size) * (numel // rows)
-
-
-def dim0_plan(layout: UnitLayout) -> Dim0Plan | None:
-    """The all-to-all plan, or None if a parameter has no dim 0 to chunk (0-dim or empty).
-
-    Work is linear in the parameters and the segments: each parameter is
-    cut only where a shard boundary or a chunk boundary falls inside it.
-    """
-    if any(len(s) == 0 or s[0] == 0 for s in layout.shapes):
-        return None
-    W, me, S = layout.world_size, layout.rank, layout.shard_numel
-    mine_lo, mine_hi = me * S, (me + 1) * S
-    to_dest: list[list[tuple[int, int]]] = [[] for _ in range(W)]
-    from_src: list[list[tuple[int, int]]] = [[] for _ in range(W)]  # (param, numel)
-    chunk_numels = []
-    for i, (off, n, shape) in enumerate(zip(layout.offsets, layout.numels, layout.shapes)):
-        if n == 0:
-            chunk_numels.append(0)
-            continue
-        c = _chunk_numel(n, shape[0], W)
-        # Send: my shard's part of parameter i, cut at its chunk boundaries.
-        a, b = max(mine_lo, off), min(mine_hi, off + n)
-        if a < b:
-            for d in range((a - off) // c, (b - 1 - off) // c + 1):
-                lo, hi = max(a, off + d * c), min(b, off + (d + 1) * c)
-                to_dest[d].append((lo - mine_lo, hi - lo))
-        # Receive: my chunk of parameter i, cut at the shard boundaries.
-        a, b = off + min(me * c, n), off + min((me + 1) * c, n)
-        chunk_numels.append(b - a)
-        if a < b:
-            for s in range(a // S, (b - 1) // S + 1):
-                from_src[s].append((i, min(b, (s + 1) * S) - max(a, s * S)))
-    per_param: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_params)]
-    recv_sizes = []
-    pos = 0
-    for segs in from_src:
-        start = pos
-        for i, k in segs:
-            per_param[i].append((pos, k))
-            pos += k
-        recv_sizes.append(pos - start)
-    for i, n in enumerate(chunk_numels):
-        if sum(k for _, k in per_param[i]) != n:
-            raise AssertionError(f"dim-0 plan: parameter {i}'s chunk is not covered exactly")
-    return Dim0Plan(
-        send_sizes=tuple(sum(k for _, k in segs) for segs in to_dest),
-        recv_sizes=tuple(recv_sizes),
-        send_segments=tuple(seg for segs in to_dest for seg in segs),
-        recv_segments=tuple(tuple(p) for p in per_param),
-        chunk_numels=tuple(chunk_numels),
-    )
-
-
-@dataclass(frozen=True)
-class Dim0Messages:
-    """A ``Dim0Plan`` as point-to-point messages, one per parameter and
-    pair of ranks, in the order both ends list them (parameter order).
-
-    ``shard_side[r]``: the ``(offset in this rank's flat shard, numel)``
-    segments exchanged with rank ``r``; ``chunk_side[r]``: the
-    ``(parameter, start in its dim-0 chunk, numel)`` pieces exchanged with
-    rank ``r``. A save sends ``shard_side`` and receives ``chunk_side``; a
-    load, backwards, sends ``chunk_side`` and receives ``shard_side``. Rank
-    ``r``'s ``shard_side[me]`` and this rank's ``chunk_side[r]`` describe
-    the same messages (and ``chunk_side[me]`` pairs with ``shard_side[me]``
-    for the rank's own part).
-    """
-
-    shard_side: tuple[tuple[tuple[int, int], ...], ...]
-    chunk_side: tuple[tuple[tuple[int, int, int], ...], ...]
-
-
-def dim0_messages(plan: Dim0Plan) -> Dim0Messages:
-    """``plan``'s send and receive buffers cut into their messages."""
-    shard_side: list[list[tuple[int, int]]] = []
-    segs = iter(plan.send_segments)
-    for size in plan.send_sizes:
-        got, mine = 0, []
-        while got < size:
-            off, n = next(segs)
-            mine.append((off, n))
-            got += n
-        if got != size:
-            raise AssertionError("dim-0 plan: send segments do not add up to a rank's size")
-        shard_side.append(mine)
-    starts = list(itertools.accumulate(plan.recv_sizes, initial=0))
-    by_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in plan.recv_sizes]
-    for i, piece_segs in enumerate(plan.recv_segments):
-        at = 0
-        for pos, k in piece_segs:
-            r = bisect.bisect_right(starts, pos) - 1
-            if pos + k > starts[r + 1]:
-                raise AssertionError("dim-0 plan: a chunk piece crosses two ranks' blocks")
-            by_rank[r].append((pos, i, at, k))
-            at += k
-    chunk_side = tuple(tuple((i, at, k) for _, i, at, k in sorted(m)) for m in by_rank)
-    return Dim0Messages(tuple(tuple(m) for m in shard_side), chunk_side)
 
 
 def shard_spans(layout: UnitLayout) -> list[tuple[int, int, int]]:
@@ -522,7 +682,7 @@ def pack_segments_many(
         if not segments:
             continue
         s = _src(src)
-        lay = FlatLayout([n for _, n in segments], 1)
+        lay = FlatLayout([n for _, n in segments], 1, 0)
         cjobs.append((lay, 0, [s[off : off + n] for off, n in segments], out))
     if cjobs:
         _run_flatten(cjobs)
@@ -566,67 +726,8 @@ def place_many(
             sizes.append(out.numel() - pos)
             pieces.append(None)
         if sizes:
-            cjobs.append((FlatLayout(sizes, 1), 0, pieces, out))
+            cjobs.append((FlatLayout(sizes, 1, 0), 0, pieces, out))
     if cjobs:
         _run_flatten(cjobs)
 
 
-def dim0_chunk_numels(shapes: Sequence[torch.Size], world_size: int) -> list[list[int]] | None:
-    """``numels[r][i]``: elements of ``torch.chunk(param_i, world_size, dim=0)[r]``
-    (0 past the last chunk); None if a parameter has no dim 0 to chunk."""
-    if any(len(s) == 0 or s[0] == 0 for s in shapes):
-        return None
-    out = []
-    for r in range(world_size):
-        row = []
-        for shape in shapes:
-            n = math.prod(shape)
-            c = _chunk_numel(n, shape[0], world_size)
-            row.append(max(0, min(c, n - r * c)))
-        out.append(row)
-    return out
-
-
-def pack_chunks_into(
-    plan: Dim0Plan, chunks: Sequence[torch.Tensor | None], out: torch.Tensor
-) -> None:
-    """``plan`` backwards, first half: every parameter's dim-0 chunk
-    (``chunks[i]``, None for zeros) into ``out``, laid out as the save's
-    receive buffer (``recv_segments``), i.e. what a sharded load sends to
-    each rank (``recv_sizes[d]`` elements to rank ``d``). One C batch."""
-    if len(chunks) != len(plan.chunk_numels):
-        raise ValueError(f"expected {len(plan.chunk_numels)} chunks, got {len(chunks)}")
-    if out.dim() != 1 or out.numel() != sum(plan.recv_sizes):
-        raise ValueError(
-            f"the send buffer needs {sum(plan.recv_sizes)} elements, got shape {tuple(out.shape)}"
-        )
-    items = []
-    for i, (c, segs) in enumerate(zip(chunks, plan.recv_segments)):
-        if c is None:
-            continue
-        if c.numel() != plan.chunk_numels[i]:
-            raise ValueError(
-                f"parameter {i}'s chunk has {c.numel()} elements, expected {plan.chunk_numels[i]}"
-            )
-        flat, at = c.reshape(-1), 0
-        for pos, k in segs:
-            items.append((pos, flat[at : at + k]))
-            at += k
-    place_many([(out, items)])
-
-
-def shard_pieces(plan: Dim0Plan, recv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """``plan`` backwards, second half: a received buffer (laid out as the
-    save's send buffer, ``send_sizes[s]`` elements from rank ``s``) as
-    ``(offset in this rank's flat shard, view of recv)`` pairs; the rest of
-    the shard is padding. ``place_many`` writes them."""
-    if recv.dim() != 1 or recv.numel() != sum(plan.send_sizes):
-        raise ValueError(
-            f"the receive buffer needs {sum(plan.send_sizes)} elements, "
-            f"got shape {tuple(recv.shape)}"
-        )
-    out, pos = [], 0
-    for off, n in plan.send_segments:
-        out.append((off, recv[pos : pos + n]))
-        pos += n
-    return out
