@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import torch  # noqa: E402
 from shardstate.checkpoint import _pickle  # noqa: E402
 from shardstate.checkpoint import metadata as smd  # noqa: E402
+from shardstate.checkpoint._pickle import writer as _writer  # noqa: E402
 
 
 def _metadata(chunks: int) -> smd.Metadata:
@@ -71,7 +72,7 @@ def main() -> int:
         ours = _metadata(n)
         theirs = smd.to_torch_metadata(ours)
         data = _pickle.dumps_metadata(ours)
-        if _pickle._dumps_fast(ours) != data or _pickle._dumps_reference(ours) != data:
+        if _writer._dumps_fast(ours) != data or _writer._dumps_reference(ours) != data:
             raise AssertionError("the two writers disagree")
         if pickle.loads(data) != theirs:
             raise AssertionError("torch does not read back what shardstate wrote")
@@ -82,7 +83,7 @@ def main() -> int:
             ("write", _median(lambda: pickle.dumps(theirs), args.repeat),
              _median(lambda: _pickle.dumps_metadata(ours), args.repeat)),
             ("write, torch-free", _median(lambda: pickle.dumps(theirs), args.repeat),
-             _median(lambda: _pickle._dumps_reference(ours), args.repeat)),
+             _median(lambda: _writer._dumps_reference(ours), args.repeat)),
             ("read", _median(lambda: pickle.loads(data), args.repeat),
              _median(lambda: _pickle.loads_metadata(data), args.repeat)),
         ]

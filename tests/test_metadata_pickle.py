@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardstate._util import gc_paused
-from shardstate.checkpoint import _pickle as P
+from shardstate.checkpoint import _zipfmt
 from shardstate.checkpoint import metadata as smd
 from shardstate.checkpoint._pickle import (
     PickleFormatError,
@@ -38,6 +38,10 @@ from shardstate.checkpoint._pickle import (
     loads_metadata,
     loads_object,
 )
+from shardstate.checkpoint._pickle import build as B
+from shardstate.checkpoint._pickle import names as N
+from shardstate.checkpoint._pickle import unpickler as U
+from shardstate.checkpoint._pickle import writer as W
 from shardstate.checkpoint.metadata import TorchName
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as tmd
@@ -63,7 +67,7 @@ def norm(x: Any) -> Any:
     if isinstance(x, smd._MEM_FORMAT_ENCODING | tmd._MEM_FORMAT_ENCODING):
         return ("enc", x.value)
     name = type(x).__name__
-    if name in P._OBJECT_SAVERS:
+    if name in W._OBJECT_SAVERS:
         fields = ("fqn", "offset", "index") if name == "MetadataIndex" else tuple(
             f for f in type(x).__dataclass_fields__
         )
@@ -178,7 +182,7 @@ PLAIN = [
 
 @pytest.mark.parametrize("value", PLAIN, ids=range(len(PLAIN)))
 def test_writer_matches_c_pickler_on_plain_values(value: Any) -> None:
-    w = P._Writer()
+    w = W._Writer()
     w.save(value)
     w.w(b".")
     w.commit()
@@ -197,7 +201,7 @@ _plain = st.recursive(
 @settings(max_examples=150, deadline=None)
 @given(_plain)
 def test_writer_matches_c_pickler_fuzz(value: Any) -> None:
-    w = P._Writer()
+    w = W._Writer()
     w.save(value)
     w.w(b".")
     w.commit()
@@ -244,9 +248,9 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
     for name in dir(torch):
         obj = getattr(torch, name)
         if isinstance(obj, torch.dtype):
-            assert obj.__reduce__() in P._DTYPE_NAMES, name
+            assert obj.__reduce__() in N._DTYPE_NAMES, name
         if isinstance(obj, torch.layout):
-            assert str(obj) in P._LAYOUT_NAMES, name
+            assert str(obj) in N._LAYOUT_NAMES, name
 
 
 # --------------------------------------------------------------------------
@@ -257,9 +261,9 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
 def test_stand_in_modules_have_torch_lengths() -> None:
     from shardstate.checkpoint import _torch_filesystem, _torch_metadata
 
-    assert len(_torch_metadata.__name__) == len(P._MD_MOD)
-    assert len(_torch_filesystem.__name__) == len(P._FS_MOD)
-    for name in P._OURS:
+    assert len(_torch_metadata.__name__) == len(N._MD_MOD)
+    assert len(_torch_filesystem.__name__) == len(N._FS_MOD)
+    for name in W._OURS:
         if name != "_StorageInfo":
             assert getattr(_torch_metadata, name).__qualname__ == getattr(tmd, name).__qualname__
     assert [e.value for e in _torch_metadata._MEM_FORMAT_ENCODING] == [
@@ -271,9 +275,9 @@ def test_fast_writer_gives_pickle_dumps(with_path: bool) -> None:
     tm = torch_metadata(with_path)
     ref = pickle.dumps(tm)
     ours = loads_metadata(ref)
-    assert P._dumps_fast(tm) == ref
-    assert P._dumps_fast(ours) == ref
-    assert P._dumps_reference(ours) == ref
+    assert W._dumps_fast(tm) == ref
+    assert W._dumps_fast(ours) == ref
+    assert W._dumps_reference(ours) == ref
 
 
 def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,7 +286,7 @@ def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def refuse(md: Any) -> bytes:
         raise AssertionError("the reference writer ran")
 
-    monkeypatch.setattr(P, "_dumps_reference", refuse)
+    monkeypatch.setattr(W, "_dumps_reference", refuse)
     sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7, "cfg": {"lr": 0.5, "tags": ["a"]}}
     ss.save(sd, checkpoint_id=tmp_path)
     out = {"w": torch.zeros(3, 4), "step": 0, "cfg": {"lr": 0.0, "tags": []}}
@@ -300,7 +304,7 @@ def _save_without_reference(rank: int, world: int, path: str) -> None:
     def refuse(md: Any) -> bytes:
         raise AssertionError("the reference writer ran")
 
-    P._dumps_reference = refuse  # this process only
+    W._dumps_reference = refuse  # this process only
     sd = _dist_sd(world, rank, 1, False)  # DTensors, a ShardedTensor, plain tensors, bytes
     sd["arr"] = np.arange(6, dtype=np.float16).reshape(2, 3)
     ss.save(sd, checkpoint_id=path)
@@ -315,14 +319,14 @@ def test_fast_writer_serves_distributed_saves(tmp_path: Path) -> None:
     assert type(back) is tmd.Metadata and len(back.state_dict_metadata) > 5
     assert {type(e) for e in back.state_dict_metadata.values()} == {
         tmd.TensorStorageMetadata, tmd.BytesStorageMetadata}
-    assert P._dumps_reference(loads_metadata(raw)) == raw
+    assert W._dumps_reference(loads_metadata(raw)) == raw
 
 
 def _declined(md: Any) -> bytes:
     """md's bytes, checking the fast path declines and the reference answers."""
-    assert P._dumps_fast(md) is None
+    assert W._dumps_fast(md) is None
     data = dumps_metadata(md)
-    assert data == P._dumps_reference(md)
+    assert data == W._dumps_reference(md)
     return data
 
 
@@ -336,7 +340,7 @@ def test_fast_writer_declines_what_it_cannot_promise() -> None:
     # a user string spelling the stand-in module, in a key or planner data
     for where in ("fqn", "planner"):
         tm = torch_metadata()
-        name = P._ph_md.__name__
+        name = W._ph_md.__name__
         if where == "fqn":
             tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
         else:
@@ -354,7 +358,7 @@ def test_fast_writer_declines_what_it_cannot_promise() -> None:
     ours = loads_metadata(pickle.dumps(torch_metadata()))
     for odd in (collections.OrderedDict(a=1), object()):
         ours.planner_data["odd"] = odd
-        assert P._dumps_fast(ours) is None
+        assert W._dumps_fast(ours) is None
         with pytest.raises(TypeError, match=type(odd).__qualname__):
             dumps_metadata(ours)
     # planner data: a cycle declines; a DAG of 2**40 paths is checked once
@@ -369,7 +373,7 @@ def test_fast_writer_declines_what_it_cannot_promise() -> None:
     for _ in range(40):
         dag = [dag, dag]
     tm.planner_data["dag"] = dag
-    assert P._dumps_fast(tm) == pickle.dumps(tm) == P._dumps_reference(tm)
+    assert W._dumps_fast(tm) == pickle.dumps(tm) == W._dumps_reference(tm)
     # an empty chunk list also passed on in planner data: sharing the fast
     # path cannot rebuild, so it declines
     tm = torch_metadata()
@@ -449,9 +453,9 @@ def test_fast_writer_matches_reference_and_torch_fuzz(
     theirs = _twin_metadata("torch", plan, objs)
     ours = _twin_metadata("ours", plan, objs)
     ref = pickle.dumps(theirs)
-    assert P._dumps_fast(theirs) == ref
-    assert P._dumps_reference(ours) == ref
-    assert P._dumps_fast(ours) == ref
+    assert W._dumps_fast(theirs) == ref
+    assert W._dumps_reference(ours) == ref
+    assert W._dumps_fast(ours) == ref
 
 
 # --------------------------------------------------------------------------
@@ -630,7 +634,7 @@ def _canary_cmd(canary: Path) -> str:
 def _evil(canary: Path) -> list[tuple[bytes, str]]:
     code = _canary_cmd(canary)
     shell = f"touch {canary}"
-    md_new = _g(P._MD_MOD, "Metadata") + b")\x81"
+    md_new = _g(N._MD_MOD, "Metadata") + b")\x81"
     return [
         (b"\x80\x02" + _g("os", "system") + _s(shell) + b"\x85R.", "os.system"),
         (b"\x80\x02" + _g("posix", "system") + _s(shell) + b"\x85R.", "posix.system"),
@@ -650,24 +654,24 @@ def _evil(canary: Path) -> list[tuple[bytes, str]]:
          "builtins.bytes"),
         (b"\x80\x02" + _g("torch.serialization", "_get_layout") + _s("os.system") + b"\x85R.",
          "_get_layout"),
-        (b"\x80\x02" + _g(P._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x07\x85R.",
+        (b"\x80\x02" + _g(N._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x07\x85R.",
          "_MEM_FORMAT_ENCODING"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + _s(code) + b"\x85R.", "Metadata"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + _s(code) + b"\x85\x81.", "Metadata"),
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + _s(code) + b"\x85R.", "Metadata"),
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + _s(code) + b"\x85\x81.", "Metadata"),
         # BUILD on shared (allowlisted) objects
         (b"\x80\x02" + _g("torch", "Size") + b"N}" + _s("fn") + _g("os", "system") + b"s\x86b.",
          "os.system"),
         (b"\x80\x02" + _g("torch", "Size") + b"}" + _s("fn") + b"Ns" + b"b.", "torch.Size"),
         (b"\x80\x02" + _g("torch", "float32") + b"N}" + _s("name") + _s("x") + b"s\x86b.",
          "torch.float32"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + b"}b.", "metadata class"),
-        (b"\x80\x02" + _g(P._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}b.",
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + b"}b.", "metadata class"),
+        (b"\x80\x02" + _g(N._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}b.",
          "_MEM_FORMAT_ENCODING"),
         (b"\x80\x02" + md_new + b"}b}b.", "twice"),
         # other ways to reach code
         (b"(" + b"i" + b"os\nsystem\n" + b".", "os.system"),  # protocol 0 INST
         (b"\x80\x02(" + _g("builtins", "exec") + _s(code) + b"o.", "builtins.exec"),  # OBJ
-        (b"\x80\x04" + _g(P._MD_MOD, "Metadata") + b")}" + _s("a") + b"K\x01s\x92.",
+        (b"\x80\x04" + _g(N._MD_MOD, "Metadata") + b")}" + _s("a") + b"K\x01s\x92.",
          "Metadata"),  # NEWOBJ_EX with keyword arguments
         (b"\x80\x02" + _g("copyreg", "_reconstructor") + b".", "copyreg._reconstructor"),
         (b"\x80\x02\x82\x01.", "extension"),
@@ -685,7 +689,7 @@ def test_malicious_pickles_are_refused(tmp_path: Path) -> None:
         with pytest.raises(UnsafePickleError, match=name.replace(".", r"\.")):
             loads_metadata(data)
         with pytest.raises(UnsafePickleError):  # the bytes-item allowlist is narrower
-            P._Builder("x").value(P._unpickle(data, P._PLAIN_GLOBALS, "bytes item"))
+            B._Builder("x").value(U._unpickle(data, U._PLAIN_GLOBALS, "bytes item"))
         assert not canary.exists(), name
     rec = dumps_object(1)
     evil_rec = rec.replace(b"\x80\x02K\x01.", b"\x80\x02" + _g("os", "system") + b"N\x85R.")
@@ -725,18 +729,18 @@ def test_forged_lengths_do_not_allocate() -> None:
             shardstate._core.pickle_scan(data)
         for fast in (True, False):
             with pytest.raises(PickleFormatError, match="BYTEARRAY8"):
-                P._unpickle(data, P._PLAIN_GLOBALS, "x", fast=fast)
+                U._unpickle(data, U._PLAIN_GLOBALS, "x", fast=fast)
         with pytest.raises(PickleFormatError):
-            loads_object(P._zipfmt.bytes_record(data))
+            loads_object(_zipfmt.bytes_record(data))
     # a well-formed one still reads
     ok = pickle.dumps(bytearray(b"abc"), protocol=5)
-    assert P._unpickle(ok, P._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
+    assert U._unpickle(ok, U._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
     assert time.perf_counter() - t < 1
 
 
 def test_structure_is_validated() -> None:
     def md_with(state: bytes) -> bytes:
-        return b"\x80\x02" + _g(P._MD_MOD, "Metadata") + b")\x81" + state + b"b."
+        return b"\x80\x02" + _g(N._MD_MOD, "Metadata") + b")\x81" + state + b"b."
 
     bad = [
         (md_with(b"}"), "no 'state_dict_metadata'"),
@@ -751,12 +755,12 @@ def test_structure_is_validated() -> None:
         with pytest.raises(PickleFormatError, match=msg):
             loads_metadata(data)
     with pytest.raises(PickleFormatError, match="contains itself"):
-        P._Builder("x").value(P._unpickle(b"\x80\x02]q\x00h\x00a.", {}, "x"))
+        B._Builder("x").value(U._unpickle(b"\x80\x02]q\x00h\x00a.", {}, "x"))
     deep = b"\x80\x02" + b"]" * 300 + b"a" * 299 + b"."
     with pytest.raises(PickleFormatError, match="deeper"):
-        loads_object(P._zipfmt.bytes_record(deep))
+        loads_object(_zipfmt.bytes_record(deep))
     # Metadata nested in planner_data, 5000 deep: refused, no RecursionError
-    level = (_g(P._MD_MOD, "Metadata") + b")\x81}" + _s("state_dict_metadata") + b"}s"
+    level = (_g(N._MD_MOD, "Metadata") + b")\x81}" + _s("state_dict_metadata") + b"}s"
              + _s("planner_data"))
     with pytest.raises(PickleFormatError, match="deeper"):
         loads_metadata(b"\x80\x02" + level * 5000 + b"N" + b"sb" * 5000 + b".")
@@ -782,7 +786,7 @@ def _outcome(data: bytes, allowed: dict, fast: bool) -> tuple:
     two engines: the built graph pickled (equal values and equal sharing
     give equal bytes), or the error's type and message."""
     try:
-        built = P._build("x", P._unpickle(data, allowed, "x", fast=fast))
+        built = B._build("x", U._unpickle(data, allowed, "x", fast=fast))
     except (UnsafePickleError, PickleFormatError) as e:  # reprs' addresses differ per run
         return ("error", type(e).__name__, re.sub(r" at 0x[0-9a-f]+", "", str(e)))
     return ("value", pickle.dumps(built, protocol=5))
@@ -799,8 +803,8 @@ def test_fuzz_mutated_metadata(edits: list[tuple[int, int]], cut: int) -> None:
         data[pos] = byte
     for blob in (bytes(data), bytes(data[:cut]) + bytes(data[cut + 1:])):
         # the C fast path and the pure-Python reference agree (value or error)
-        assert _outcome(blob, P._METADATA_GLOBALS, True) == \
-            _outcome(blob, P._METADATA_GLOBALS, False)
+        assert _outcome(blob, U._METADATA_GLOBALS, True) == \
+            _outcome(blob, U._METADATA_GLOBALS, False)
         try:
             md = loads_metadata(blob)
         except (UnsafePickleError, PickleFormatError):
@@ -820,7 +824,7 @@ def test_fuzz_mutated_bytes_item(edits: list[tuple[int, int]]) -> None:
     for pos, byte in edits:
         data[pos] = byte
     try:
-        loads_object(P._zipfmt.bytes_record(bytes(data)))
+        loads_object(_zipfmt.bytes_record(bytes(data)))
     except (UnsafePickleError, PickleFormatError):
         pass
 
@@ -851,7 +855,7 @@ def test_numpy_bytes_items() -> None:
         loads_object(buf.getvalue())
     bad = pickle.dumps(np.arange(4, dtype=np.int32), protocol=2).replace(b"i4", b"i8")
     with pytest.raises(PickleFormatError, match="bytes of data"):
-        loads_object(P._zipfmt.bytes_record(bad))
+        loads_object(_zipfmt.bytes_record(bad))
 
 
 # --------------------------------------------------------------------------
@@ -869,8 +873,8 @@ def test_scan_passes_what_pickle_writes(protocol: int) -> None:
             proto, end = shardstate._core.pickle_scan(data)
             assert (proto, end) == (protocol, len(data))
             assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
-        assert _outcome(data, P._PLAIN_GLOBALS, True) == _outcome(data, P._PLAIN_GLOBALS, False)
-        assert _outcome(data, P._PLAIN_GLOBALS, True)[0] == "value"
+        assert _outcome(data, U._PLAIN_GLOBALS, True) == _outcome(data, U._PLAIN_GLOBALS, False)
+        assert _outcome(data, U._PLAIN_GLOBALS, True)[0] == "value"
 
 
 def test_scan_refuses_what_the_c_unpickler_would_mishandle() -> None:
@@ -913,7 +917,7 @@ def test_c_unpickler_refuses_the_malicious_pickles(tmp_path: Path) -> None:
             continue
         through += 1
         with pytest.raises(UnsafePickleError):
-            P._build("x", P._CRestrictedUnpickler(data, P._METADATA_GLOBALS, proto).load())
+            B._build("x", U._CRestrictedUnpickler(data, U._METADATA_GLOBALS, proto).load())
         assert not canary.exists(), name
     assert through >= 20
 
@@ -926,7 +930,7 @@ def test_fast_path_serves_real_checkpoints(saved: Path, monkeypatch: pytest.Monk
     def reference_ran(self: Any) -> Any:
         raise AssertionError("the pure-Python unpickler ran")
 
-    monkeypatch.setattr(P._RestrictedUnpickler, "load", reference_ran)
+    monkeypatch.setattr(U._RestrictedUnpickler, "load", reference_ran)
     assert norm(loads_metadata(raw)) == want
     assert loads_object(obj) == BYTES_VALUES
 
@@ -940,8 +944,8 @@ def test_fuzz_fast_path_equals_reference_objects(protocol: int,
                                   protocol=protocol))
     for pos, byte in edits:
         data[pos % len(data)] = byte
-    assert _outcome(bytes(data), P._PLAIN_GLOBALS, True) == \
-        _outcome(bytes(data), P._PLAIN_GLOBALS, False)
+    assert _outcome(bytes(data), U._PLAIN_GLOBALS, True) == \
+        _outcome(bytes(data), U._PLAIN_GLOBALS, False)
 
 
 def test_gc_paused_restores_the_collector(saved: Path) -> None:

@@ -1,0 +1,76 @@
+"""``.metadata`` and bytes items: one writer, one restricted reader.
+
+Writing. ``dumps_metadata`` (``writer``) emits the protocol-4 pickle that
+torch's ``FileSystemWriter`` writes with ``pickle.dump(metadata)``
+(docs/FORMAT.md, section 7), naming torch's classes by their import paths,
+without importing torch's checkpoint package.
+
+Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
+the bytes into a graph of inert stand-ins with ``find_class`` limited to an
+allowlist (on CPython's C unpickler for streams the C scan passes, else on
+the pure-Python reference), and ``build`` validates the graph and makes
+shardstate's metadata classes. Nothing outside the allowlist is imported or
+called.
+
+Bytes items. ``dumps_object`` / ``loads_object`` (``objects``): the record
+``torch.save`` writes for a DCP bytes item, and its restricted read.
+
+Errors: ``UnsafePickleError`` names a global or a call outside the
+allowlist; ``PickleFormatError`` is anything else wrong with the bytes. Both
+subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``; no
+other exception escapes ``loads_*`` for any input.
+
+Invariants: no torch import anywhere in this package (torch objects are
+built only when torch is already in ``sys.modules``). Functions are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from ..._util import gc_paused
+from ..metadata import Metadata
+from .build import _build
+from .objects import dumps_object, loads_object
+from .unpickler import _METADATA_GLOBALS, _PROXIES, PickleFormatError, UnsafePickleError, _unpickle
+from .writer import dumps_metadata
+
+__all__ = [
+    "PickleFormatError",
+    "UnsafePickleError",
+    "dumps_metadata",
+    "dumps_object",
+    "gc_paused",
+    "loads_metadata",
+    "loads_object",
+]
+
+
+def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
+    """Reads a ``.metadata`` pickle into shardstate's metadata classes.
+
+    Only torch's checkpoint metadata classes, ``_StorageInfo``, ``torch.Size``,
+    dtypes, layouts, memory formats, paths and plain Python values are
+    admitted; anything else raises :class:`UnsafePickleError` naming it, and
+    nothing it names is imported or called. Metadata written by older torch
+    versions (fewer fields, ``TensorProperties`` as a dict) is accepted.
+
+    ``allow_unsafe=True`` runs a plain ``pickle.loads`` (which can run
+    arbitrary code: for trusted checkpoints only) and converts torch's classes
+    to ours.
+    """
+    if allow_unsafe:
+        obj = pickle.loads(data)
+        if type(obj).__name__ != "Metadata":
+            raise PickleFormatError(f".metadata holds a {type(obj).__name__}, not a Metadata")
+        if isinstance(obj, Metadata):
+            return obj
+        # torch's classes: re-read through the restricted path from its bytes
+        return loads_metadata(dumps_metadata(obj))
+    with gc_paused():
+        obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+        if type(obj) is not _PROXIES["Metadata"]:
+            raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
+        return _build(".metadata", obj)
+
