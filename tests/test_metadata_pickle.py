@@ -67,7 +67,7 @@ def norm(x: Any) -> Any:
     if isinstance(x, smd._MEM_FORMAT_ENCODING | tmd._MEM_FORMAT_ENCODING):
         return ("enc", x.value)
     name = type(x).__name__
-    if name in W._OBJECT_SAVERS:
+    if name in W._OURS:
         fields = ("fqn", "offset", "index") if name == "MetadataIndex" else tuple(
             f for f in type(x).__dataclass_fields__
         )
@@ -180,13 +180,18 @@ PLAIN = [
 ]
 
 
+def _plain_matches_c_pickler(value: Any) -> None:
+    """A plain value, as the whole pickle and as planner data of a torch
+    Metadata: the writer gives the C pickler's bytes."""
+    assert dumps_metadata(value) == pickle.dumps(value, protocol=4)
+    tm = torch_metadata(False)
+    tm.planner_data = value
+    assert dumps_metadata(tm) == pickle.dumps(tm)
+
+
 @pytest.mark.parametrize("value", PLAIN, ids=range(len(PLAIN)))
 def test_writer_matches_c_pickler_on_plain_values(value: Any) -> None:
-    w = W._Writer()
-    w.save(value)
-    w.w(b".")
-    w.commit()
-    assert bytes(w.buf) == pickle.dumps(value, protocol=4)
+    _plain_matches_c_pickler(value)
 
 
 _text = st.sampled_from([sys.intern(s) for s in ("a", "bb", "fqn", "layer.0.weight", "é")])
@@ -201,11 +206,7 @@ _plain = st.recursive(
 @settings(max_examples=150, deadline=None)
 @given(_plain)
 def test_writer_matches_c_pickler_fuzz(value: Any) -> None:
-    w = W._Writer()
-    w.save(value)
-    w.w(b".")
-    w.commit()
-    assert bytes(w.buf) == pickle.dumps(value, protocol=4)
+    _plain_matches_c_pickler(value)
 
 
 @pytest.mark.parametrize("with_path", [True, False])
@@ -254,20 +255,26 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
 
 
 # --------------------------------------------------------------------------
-# The writer's fast path: the C pickler on stand-in classes
+# The writer: the fast and the generic conversion to stand-ins
 # --------------------------------------------------------------------------
 
 
-def test_stand_in_modules_have_torch_lengths() -> None:
-    from shardstate.checkpoint import _torch_filesystem, _torch_metadata
+def test_placeholder_modules_have_torch_lengths() -> None:
+    import importlib
 
-    assert len(_torch_metadata.__name__) == len(N._MD_MOD)
-    assert len(_torch_filesystem.__name__) == len(N._FS_MOD)
-    for name in W._OURS:
-        if name != "_StorageInfo":
-            assert getattr(_torch_metadata, name).__qualname__ == getattr(tmd, name).__qualname__
-    assert [e.value for e in _torch_metadata._MEM_FORMAT_ENCODING] == [
-        e.value for e in tmd._MEM_FORMAT_ENCODING]
+    ph = next(W._placeholder_sets())
+    reals = {"md": N._MD_MOD, "fs": N._FS_MOD, "dtype": "torch", "size": "torch",
+             "layout": "torch.serialization", "memfmt": "torch._utils"}
+    assert ph.ops.keys() == reals.keys()
+    for tag, (placeholder, real) in ph.ops.items():
+        assert real == W._op(reals[tag]) and len(placeholder) == len(real), tag
+        assert placeholder[2:-1].decode() in sys.modules, tag
+    for name, cls in ph.classes.items():
+        theirs = getattr(importlib.import_module(N._torch_module(name)), name)
+        assert cls.__qualname__ == theirs.__qualname__
+        assert W._op(cls.__module__) == ph.ops["fs" if name == "_StorageInfo" else "md"][0]
+    assert [e.value for e in ph.encodings] == [e.value for e in tmd._MEM_FORMAT_ENCODING]
+    assert [e.name for e in ph.encodings] == [e.name for e in tmd._MEM_FORMAT_ENCODING]
 
 
 @pytest.mark.parametrize("with_path", [True, False])
@@ -275,18 +282,20 @@ def test_fast_writer_gives_pickle_dumps(with_path: bool) -> None:
     tm = torch_metadata(with_path)
     ref = pickle.dumps(tm)
     ours = loads_metadata(ref)
-    assert W._dumps_fast(tm) == ref
-    assert W._dumps_fast(ours) == ref
-    assert W._dumps_reference(ours) == ref
+    assert W._dumps(tm, False) == ref
+    assert W._dumps(ours, False) == ref
+    assert W._dumps(ours, True) == ref
+    assert W._dumps(tm, True) == ref
+
+
+def _refuse_generic(self: Any, v: Any) -> Any:
+    raise AssertionError("the generic conversion ran")
 
 
 def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shardstate.checkpoint as ss
 
-    def refuse(md: Any) -> bytes:
-        raise AssertionError("the reference writer ran")
-
-    monkeypatch.setattr(W, "_dumps_reference", refuse)
+    monkeypatch.setattr(W._Convert, "value", _refuse_generic)
     sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7, "cfg": {"lr": 0.5, "tags": ["a"]}}
     ss.save(sd, checkpoint_id=tmp_path)
     out = {"w": torch.zeros(3, 4), "step": 0, "cfg": {"lr": 0.0, "tags": []}}
@@ -296,15 +305,12 @@ def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert torch.equal(out["w"], sd["w"]) and out["step"] == 7 and out["cfg"] == sd["cfg"]
 
 
-def _save_without_reference(rank: int, world: int, path: str) -> None:
+def _save_without_generic(rank: int, world: int, path: str) -> None:
     import numpy as np
     import shardstate.checkpoint as ss
     from test_checkpoint_e2e import _dist_sd
 
-    def refuse(md: Any) -> bytes:
-        raise AssertionError("the reference writer ran")
-
-    W._dumps_reference = refuse  # this process only
+    W._Convert.value = _refuse_generic  # this process only
     sd = _dist_sd(world, rank, 1, False)  # DTensors, a ShardedTensor, plain tensors, bytes
     sd["arr"] = np.arange(6, dtype=np.float16).reshape(2, 3)
     ss.save(sd, checkpoint_id=path)
@@ -313,74 +319,97 @@ def _save_without_reference(rank: int, world: int, path: str) -> None:
 def test_fast_writer_serves_distributed_saves(tmp_path: Path) -> None:
     from shardstate.testing import run_distributed
 
-    run_distributed(_save_without_reference, 2, str(tmp_path))
+    run_distributed(_save_without_generic, 2, str(tmp_path))
     raw = (tmp_path / ".metadata").read_bytes()
     back = pickle.loads(raw)  # torch's own classes, as torch's reader sees them
     assert type(back) is tmd.Metadata and len(back.state_dict_metadata) > 5
     assert {type(e) for e in back.state_dict_metadata.values()} == {
         tmd.TensorStorageMetadata, tmd.BytesStorageMetadata}
-    assert W._dumps_reference(loads_metadata(raw)) == raw
+    assert W._dumps(loads_metadata(raw), True) == raw
 
 
-def _declined(md: Any) -> bytes:
-    """md's bytes, checking the fast path declines and the reference answers."""
-    assert W._dumps_fast(md) is None
+def _served(md: Any) -> bytes:
+    """md's bytes, checking the fast conversion serves it and the generic agrees."""
     data = dumps_metadata(md)
-    assert data == W._dumps_reference(md)
+    assert W._dumps(md, False) == data == W._dumps(md, True)
     return data
 
 
-def test_fast_writer_declines_what_it_cannot_promise() -> None:
+def _declined(md: Any) -> bytes:
+    """md's bytes, checking the fast conversion hands it to the generic one."""
+    assert W._dumps(md, False) is None
+    data = dumps_metadata(md)
+    assert data == W._dumps(md, True)
+    return data
+
+
+def test_fast_writer_serves_stand_ins_and_cycles() -> None:
     tm = torch_metadata()
-    # stand-ins for torch objects: the reference writes them as torch's
-    assert _declined(standin_metadata(tm)) == pickle.dumps(tm)
+    # stand-ins for torch objects (tuples, TorchName): written as torch's
+    assert _served(standin_metadata(tm)) == pickle.dumps(tm)
     ours = loads_metadata(pickle.dumps(tm))
     ours.state_dict_metadata["layer.w"].chunks[0].offsets = (0, 0)
-    _declined(ours)
-    # a user string spelling the stand-in module, in a key or planner data
-    for where in ("fqn", "planner"):
-        tm = torch_metadata()
-        name = W._ph_md.__name__
-        if where == "fqn":
-            tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
-        else:
-            tm.planner_data["x"] = (name,)
-        data = _declined(loads_metadata(pickle.dumps(tm)))
-        assert data == pickle.dumps(tm)
-        assert pickle.loads(data) == tm
-    # torch objects where plain values were expected: the reference writes them
-    tm = torch_metadata()
-    tm.planner_data["dt"] = [torch.float16, torch.int8]
-    ours = loads_metadata(pickle.dumps(tm))
-    ours.planner_data["dt"][1] = TorchName("torch.int8")
-    assert _declined(ours) == pickle.dumps(tm)
-    # values outside the allowlist: the reference gives the error
-    ours = loads_metadata(pickle.dumps(torch_metadata()))
-    for odd in (collections.OrderedDict(a=1), object()):
-        ours.planner_data["odd"] = odd
-        assert W._dumps_fast(ours) is None
-        with pytest.raises(TypeError, match=type(odd).__qualname__):
-            dumps_metadata(ours)
-    # planner data: a cycle declines; a DAG of 2**40 paths is checked once
-    # per container (walking every path would not end) and served
+    back = pickle.loads(_served(ours))
+    assert type(back.state_dict_metadata["layer.w"].chunks[0].offsets) is torch.Size
+    # planner data: a cycle is the pickler's to write; a DAG of 2**40 paths
+    # is checked once per container (walking every path would not end)
     tm = torch_metadata()
     loop: list[Any] = [1]
     loop.append(loop)
     tm.planner_data["loop"] = loop
-    assert _declined(tm) == pickle.dumps(tm)
+    assert _served(tm) == pickle.dumps(tm)
     tm = torch_metadata()
     dag: Any = ["leaf"]
     for _ in range(40):
         dag = [dag, dag]
     tm.planner_data["dag"] = dag
-    assert W._dumps_fast(tm) == pickle.dumps(tm) == W._dumps_reference(tm)
+    assert _served(tm) == pickle.dumps(tm)
+
+
+def test_data_spelling_a_placeholder_takes_the_next_names() -> None:
+    ph0 = next(W._placeholder_sets())
+    for where in ("fqn", "planner", "bytes"):
+        tm = torch_metadata()
+        name = ph0.ops["md"][0][2:-1].decode()
+        if where == "fqn":
+            tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
+        elif where == "planner":
+            tm.planner_data["x"] = (name,)
+        else:
+            tm.planner_data["x"] = b"..." + ph0.ops["md"][0] + b"..."
+        data = _served(loads_metadata(pickle.dumps(tm)))
+        assert data == pickle.dumps(tm)
+        assert pickle.loads(data) == tm
+    assert len(W._SETS) >= 2
+
+
+def test_fast_writer_hands_over_what_it_does_not_cover() -> None:
+    # torch objects' stand-ins where plain values were expected
+    tm = torch_metadata()
+    tm.planner_data["dt"] = [torch.float16, torch.int8, torch.strided, torch.channels_last]
+    ours = loads_metadata(pickle.dumps(tm))
+    ours.planner_data["dt"][1] = TorchName("torch.int8")
+    ours.planner_data["dt"][2] = TorchName("torch.strided")
+    assert _declined(ours) == pickle.dumps(tm)
+    # values outside the allowlist: the generic conversion gives the error
+    ours = loads_metadata(pickle.dumps(torch_metadata()))
+    for odd in (collections.OrderedDict(a=1), object()):
+        ours.planner_data["odd"] = odd
+        assert W._dumps(ours, False) is None
+        with pytest.raises(TypeError, match=type(odd).__qualname__):
+            dumps_metadata(ours)
     # an empty chunk list also passed on in planner data: sharing the fast
-    # path cannot rebuild, so it declines
+    # conversion does not rebuild
     tm = torch_metadata()
     shared: list[Any] = []
     tm.state_dict_metadata["z"] = tmd.TensorStorageMetadata(
         tmd.TensorProperties(torch.float32), torch.Size([0]), shared)
     tm.planner_data["z"] = shared
+    assert _declined(tm) == pickle.dumps(tm)
+    # metadata objects among plain values
+    tm = torch_metadata()
+    tm.planner_data["props"] = tm.state_dict_metadata["emb"].properties
+    tm.planner_data["idx"] = [tmd.MetadataIndex("x", [1, 2])]
     assert _declined(tm) == pickle.dumps(tm)
 
 
@@ -453,9 +482,10 @@ def test_fast_writer_matches_reference_and_torch_fuzz(
     theirs = _twin_metadata("torch", plan, objs)
     ours = _twin_metadata("ours", plan, objs)
     ref = pickle.dumps(theirs)
-    assert W._dumps_fast(theirs) == ref
-    assert W._dumps_reference(ours) == ref
-    assert W._dumps_fast(ours) == ref
+    assert W._dumps(theirs, False) == ref
+    assert W._dumps(theirs, True) == ref
+    assert W._dumps(ours, True) == ref
+    assert W._dumps(ours, False) == ref
 
 
 # --------------------------------------------------------------------------
@@ -579,6 +609,11 @@ def test_old_format_metadata() -> None:
 def test_torch_free_round_trip(tmp_path: Path) -> None:
     tm = torch_metadata(False)
     (tmp_path / "expected").write_bytes(pickle.dumps(tm))
+    # every kind of placeholder, among plain values (the generic conversion),
+    # and a string that spells the one for "torch"
+    tm.planner_data["objs"] = [torch.float16, torch.strided, torch.channels_last, torch.int8,
+                               "_ss00", (torch.sparse_coo,)]
+    (tmp_path / "expected_objs").write_bytes(pickle.dumps(tm))
     dcp_save({"w": torch.ones(2), "step": 3, "cfg": {"a": [1, "x"]}}, tmp_path / "ck")
     script = textwrap.dedent(
         """
@@ -595,6 +630,14 @@ def test_torch_free_round_trip(tmp_path: Path) -> None:
         assert md.state_dict_metadata["emb"].properties.memory_format == "torch.channels_last"
         assert type(md.state_dict_metadata["layer.w"].size) is tuple
         assert dumps_metadata(md) == expected
+        from shardstate.checkpoint._pickle import writer as W
+        assert len(W._SETS) == 1
+        expected = (tmp / "expected_objs").read_bytes()
+        md = loads_metadata(expected)
+        assert md.planner_data["objs"][:3] == ["torch.float16", "torch.strided",
+                                              "torch.channels_last"]
+        assert dumps_metadata(md) == expected
+        assert W._dumps(md, False) is None and len(W._SETS) == 2
         ck = loads_metadata((tmp / "ck" / ".metadata").read_bytes())
         assert ck.state_dict_metadata["w"].size == (2,)
         got = {}

@@ -1,493 +1,266 @@
-"""The ``.metadata`` writer (two engines, to be merged)."""
+"""The one ``.metadata`` writer: CPython's C pickler on stand-in classes.
+
+``dumps_metadata(md)`` gives the bytes of ``pickle.dumps(torch_md,
+protocol=4)``, what torch's ``FileSystemWriter`` writes, for the torch
+``Metadata`` with the same values and the same object sharing, whether
+torch is loaded or not. Sharing matters because pickle memoizes by
+identity: an object referenced twice is written once. Here too strings,
+lists and dicts are memoized by identity; dtypes, layouts and memory-format
+encodings by name (torch's are singletons); a plain tuple standing in for a
+``torch.Size`` is never shared (a real ``torch.Size`` is memoized by
+identity).
+
+How. The C pickler names a global by importing its module and checking the
+object is found there, so it cannot write torch's import paths without
+torch's modules. The graph is rebuilt (``_Convert``) with stand-ins whose
+classes and objects live in placeholder modules (``_Placeholders``,
+registered in ``sys.modules``) named with exactly the length of the torch
+module each stands for::
+
+    torch.distributed.checkpoint.metadata    metadata classes, _MEM_FORMAT_ENCODING
+    torch.distributed.checkpoint.filesystem  _StorageInfo
+    torch                                    dtypes and Size, when torch is not loaded
+    torch.serialization                      _get_layout (layouts), idem
+    torch._utils                             memory formats outside TensorProperties
+
+The C pickler writes each module name once (then memoizes it); renaming it
+to torch's in place changes no length, so every ``FRAME`` and memo index
+holds. A name is renamed only when it occurs exactly as often as the
+stand-ins used it: data that spells a placeholder name (a user string,
+bytes) makes the writer start again with the next set of names.
+
+With torch loaded, torch's own sizes, dtypes, layouts and memory formats
+are written as they are, and ``TorchName`` / tuples standing in for them
+become torch's objects; without torch they become placeholders that pickle
+as torch's do.
+
+Two conversions give the same graph. ``_Convert.fast`` serves the graphs
+saves make: it reuses the source's state dicts wherever they can be written
+as they are, and checks the other (plain) values in one walk. Whatever it
+does not cover (metadata objects or ``TorchName`` among plain values,
+containers shared with the rebuilt part, types outside the allowlist) hands
+the graph to ``_Convert.value``, the generic conversion, which follows the
+pickler for every value and raises TypeError for what the reader would
+refuse.
+
+No torch import. Thread-safe: placeholders are made once, under a lock.
+"""
 
 from __future__ import annotations
 
-import io
 import pathlib
 import pickle
-import struct
 import sys
-from collections.abc import Callable, Iterable
+import threading
+import types
+from collections.abc import Iterable, Iterator
 from enum import Enum
 from typing import Any
 
 from ..._util import gc_paused, loaded_torch
-from .. import _torch_filesystem as _ph_fs
-from .. import _torch_metadata as _ph_md
 from .. import metadata as _smd
 from .names import _FS_MOD, _LAYOUT_NAMES, _MD_MOD, _MEMFMT_NAMES, _torch_module, _torch_name
 
-# --------------------------------------------------------------------------
-# Writer: CPython's C pickler, protocol 4, for the objects in .metadata
-# --------------------------------------------------------------------------
-
-_FRAME_TARGET = 64 * 1024
-_BATCH = 1000
-_TORCH_MOD = "torch"  # module name of dtype globals (one shared object, as in torch)
-
-
-def _small_int(v: int) -> bytes:
-    """A non-negative int below 2**31, as save_int writes it."""
-    if v <= 0xFF:
-        return b"K" + bytes((v,))
-    if v <= 0xFFFF:
-        return b"M" + struct.pack("<H", v)
-    return b"J" + struct.pack("<i", v)
-
-
-class _Writer:
-    """Emits opcodes exactly as ``_pickle.Pickler(protocol=4)`` would.
-
-    ``save_*`` methods mirror the C pickler's ``save()``: a frame boundary
-    check first, then atoms (never memoized), then the memo, then the type.
-    Memo keys are ``id(obj)`` for real objects (kept alive in ``_keep``) and
-    tagged tuples for torch singletons named by stand-ins."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray(b"\x80\x04")
-        self.frame_start = -1
-        self.memo: dict[Any, int] = {}
-        self._keep: list[Any] = []
-        self._fresh = 0
-
-    # ---- framing ----
-    def w(self, b: bytes | bytearray) -> None:
-        if self.frame_start < 0:
-            self.frame_start = len(self.buf)
-            self.buf += bytes(9)
-        self.buf += b
-
-    def commit(self) -> None:
-        fs = self.frame_start
-        if fs < 0:
-            return
-        n = len(self.buf) - fs - 9
-        if n >= 4:
-            self.buf[fs : fs + 9] = b"\x95" + struct.pack("<Q", n)
-        else:
-            del self.buf[fs : fs + 9]
-        self.frame_start = -1
-
-    def boundary(self) -> None:
-        if self.frame_start >= 0 and len(self.buf) - self.frame_start - 9 >= _FRAME_TARGET:
-            self.commit()
-
-    def payload(self, header: bytes, data: bytes) -> None:
-        if len(data) >= _FRAME_TARGET:  # large payloads go outside frames
-            self.commit()
-            self.buf += header
-            self.buf += data
-        else:
-            self.w(header + data)
-
-    # ---- memo ----
-    def get(self, key: Any) -> bool:
-        idx = self.memo.get(key)
-        if idx is None:
-            return False
-        self.w(b"h" + bytes((idx,)) if idx < 256 else b"j" + struct.pack("<I", idx))
-        return True
-
-    def put(self, key: Any, obj: Any = None) -> None:
-        self.memo[key] = len(self.memo)
-        if obj is not None:
-            self._keep.append(obj)
-        self.w(b"\x94")
-
-    def fresh_key(self) -> tuple[str, int]:
-        self._fresh += 1
-        return ("fresh", self._fresh)
-
-    # ---- generic values ----
-    def save(self, obj: Any) -> None:
-        self.boundary()
-        t = type(obj)
-        if obj is None:
-            self.w(b"N")
-        elif t is bool:
-            self.w(b"\x88" if obj else b"\x89")
-        elif t is int:
-            self.save_int(obj)
-        elif t is float:
-            self.w(b"G" + struct.pack(">d", obj))
-        elif self.get(id(obj)):
-            pass
-        elif t is str:
-            self.save_str(obj)
-        elif t is bytes:
-            n = len(obj)
-            if n <= 0xFF:
-                head = b"C" + bytes((n,))
-            elif n <= 0xFFFFFFFF:
-                head = b"B" + struct.pack("<I", n)
-            else:
-                head = b"\x8e" + struct.pack("<Q", n)
-            self.payload(head, obj)
-            self.put(id(obj), obj)
-        elif t is tuple:
-            self.save_tuple(obj, self.save)
-        elif t is list:
-            self.w(b"]")
-            self.put(id(obj), obj)
-            self.batch_list(obj, self.save)
-        elif t is dict:
-            self.save_dict(obj)
-        elif t is set:
-            self.w(b"\x8f")
-            self.put(id(obj), obj)
-            self.batch_set(obj)
-        elif t is frozenset:
-            self.w(b"(")
-            for x in obj:
-                self.save(x)
-            self.w(b"\x91")
-            self.put(id(obj), obj)
-        else:
-            self.save_special(obj)
-
-    def save_int(self, v: int) -> None:
-        if 0 <= v <= 0xFF:
-            self.w(b"K" + bytes((v,)))
-        elif 0 <= v <= 0xFFFF:
-            self.w(b"M" + struct.pack("<H", v))
-        elif -0x80000000 <= v <= 0x7FFFFFFF:
-            self.w(b"J" + struct.pack("<i", v))
-        else:
-            n = (v.bit_length() >> 3) + 1
-            enc = v.to_bytes(n, "little", signed=True)
-            if v < 0 and n > 1 and enc[-1] == 0xFF and enc[-2] & 0x80:
-                enc = enc[:-1]
-            if len(enc) < 256:
-                self.w(b"\x8a" + bytes((len(enc),)) + enc)
-            else:
-                self.w(b"\x8b" + struct.pack("<i", len(enc)) + enc)
-
-    def save_str(self, s: str, key: Any = None) -> None:
-        b = s.encode("utf-8", "surrogatepass")
-        n = len(b)
-        if n <= 0xFF:
-            head = b"\x8c" + bytes((n,))
-        elif n <= 0xFFFFFFFF:
-            head = b"X" + struct.pack("<I", n)
-        else:
-            head = b"\x8d" + struct.pack("<Q", n)
-        self.payload(head, b)
-        self.put(id(s) if key is None else key, s)
-
-    def save_tuple(self, obj: tuple, save_item: Callable[[Any], None], memo: bool = True) -> None:
-        n = len(obj)
-        if n == 0:
-            self.w(b")")
-            return
-        if n > 3:
-            self.w(b"(")
-        for x in obj:
-            save_item(x)
-        self.w(b"t" if n > 3 else b"\x85\x86\x87"[n - 1 : n])
-        self.put(id(obj) if memo else self.fresh_key(), obj)
-
-    def batch_list(self, items: list, save_item: Callable[[Any], None]) -> None:
-        n = len(items)
-        if n == 0:
-            return
-        if n == 1:
-            save_item(items[0])
-            self.w(b"a")
-            return
-        total = 0
-        while total < n:
-            self.w(b"(")
-            for x in items[total : total + _BATCH]:
-                save_item(x)
-            total += min(_BATCH, n - total)
-            self.w(b"e")
-
-    def save_dict(self, d: dict, key: Any = None,
-                  savers: dict[str, Callable[[Any], None]] | None = None) -> None:
-        """EMPTY_DICT, then the items; ``savers`` maps some keys to the
-        functions that save their values (instance state with torch.Size fields)."""
-        self.w(b"}")
-        self.put(id(d) if key is None else key, d)
-        n = len(d)
-        if n == 0:
-            return
-        sv = savers or {}
-        if n == 1:
-            ((k, v),) = d.items()
-            self.save(k)
-            sv.get(k, self.save)(v)
-            self.w(b"s")
-            return
-        it = iter(d.items())
-        while True:  # as the C pickler: a full last batch is followed by an empty one
-            self.w(b"(")
-            i = 0
-            for k, v in it:
-                self.save(k)
-                sv.get(k, self.save)(v)
-                i += 1
-                if i == _BATCH:
-                    break
-            self.w(b"u")
-            if i != _BATCH:
-                return
-
-    def batch_set(self, s: set) -> None:
-        if not s:
-            return
-        it = iter(s)
-        while True:
-            self.w(b"(")
-            i = 0
-            for x in it:
-                self.save(x)
-                i += 1
-                if i == _BATCH:
-                    break
-            self.w(b"\x90")
-            if i != _BATCH:
-                return
-
-    # ---- globals and torch objects ----
-    def save_global(self, module: str, name: str, key: Any) -> None:
-        self.boundary()
-        if self.get(key):
-            return
-        self.save(module)
-        self.save(name)
-        self.w(b"\x93")
-        self.put(key)
-
-    def save_dtype(self, name: str) -> None:
-        self.save_global(_TORCH_MOD, name.removeprefix("torch."), ("dtype", name))
-
-    def save_reduce_global(self, module: str, name: str, args: tuple, key: Any) -> None:
-        """``module.name(*args)`` as ``STACK_GLOBAL args REDUCE``; result memoized under key."""
-        self.boundary()
-        if self.get(key):
-            return
-        self.save_global(module, name, ("global", module, name))
-        self.boundary()
-        self.save_tuple(args, self.save, memo=False)
-        self.w(b"R")
-        self.put(key)
-
-    def save_layout(self, name: str) -> None:
-        self.save_reduce_global("torch.serialization", "_get_layout", (name,), ("layout", name))
-
-    def save_mem_encoding(self, value: int) -> None:
-        self.save_reduce_global(_MD_MOD, "_MEM_FORMAT_ENCODING", (value,), ("memfmt", value))
-
-    def save_size(self, obj: Any) -> None:
-        """A torch.Size (or a tuple standing in for one): REDUCE(torch.Size, (tuple,))."""
-        self.boundary()
-        real = type(obj) is not tuple  # a real torch.Size: memoized by identity
-        if real and self.get(id(obj)):
-            return
-        dims = tuple(obj)
-        if not all(type(d) is int for d in dims):
-            raise TypeError(f"torch.Size dimensions must be ints, got {obj!r}")
-        size_global = self.memo.get(("global", "torch", "Size"))
-        fs = self.frame_start
-        if (size_global is not None and fs >= 0 and 0 < len(dims) <= 3
-                and len(self.buf) - fs - 9 + 48 < _FRAME_TARGET
-                and all(0 <= d <= 0x7FFFFFFF for d in dims)):
-            # Fast path, same bytes: no frame boundary can fall inside this object.
-            n = len(self.memo)
-            m = self.memo
-            m[self.fresh_key()] = n
-            m[self.fresh_key()] = n + 1
-            if real:
-                m[id(obj)] = n + 2
-                self._keep.append(obj)
-            else:
-                m[self.fresh_key()] = n + 2
-            get = b"h" + bytes((size_global,)) if size_global < 256 else (
-                b"j" + struct.pack("<I", size_global))
-            self.buf += get + b"".join(map(_small_int, dims)) + (
-                b"\x85\x86\x87"[len(dims) - 1 : len(dims)] + b"\x94\x85\x94R\x94")
-            return
-        # torch.Size.__module__ is a new string each time it is read
-        if not self.get(("global", "torch", "Size")):
-            self.boundary()
-            self.save_str("".join(("tor", "ch")), self.fresh_key())
-            self.save("Size")
-            self.w(b"\x93")
-            self.put(("global", "torch", "Size"))
-        self.boundary()
-
-        def inner(x: tuple) -> None:
-            self.boundary()
-            self.save_tuple(x, self.save, memo=False)
-
-        self.save_tuple((dims,), inner, memo=False)
-        self.w(b"R")
-        self.put(id(obj) if real else self.fresh_key(), obj)
-
-    def save_special(self, obj: Any) -> None:
-        name = _torch_name(obj)
-        if name is not None:
-            if name in _LAYOUT_NAMES:
-                self.save_layout(name)
-            elif name in _MEMFMT_NAMES:
-                # torch.memory_format pickles as a global of torch._utils
-                self.save_global("torch._utils", name, ("memfmt_global", name))
-            else:
-                self.save_dtype(name)
-            return
-        t = type(obj)
-        if t.__module__ == "torch" and t.__name__ == "Size":
-            self.save_size(obj)
-            return
-        if isinstance(obj, Enum) and t.__name__ == "_MEM_FORMAT_ENCODING":
-            self.save_mem_encoding(int(obj.value))
-            return
-        if isinstance(obj, pathlib.PurePath):
-            cls, args = obj.__reduce__()
-            if not all(type(a) is str for a in args):
-                raise TypeError(f"cannot pickle path {obj!r}")
-            self.save_reduce_global(cls.__module__, cls.__qualname__, tuple(args), id(obj))
-            self._keep.append(obj)
-            return
-        saver = _OBJECT_SAVERS.get(t.__name__)
-        if saver is None or t.__module__ not in _OBJECT_MODULES:
-            raise TypeError(
-                f"cannot write {t.__module__}.{t.__qualname__} into .metadata; expected the "
-                "checkpoint metadata classes, torch dtypes and sizes, or plain Python values"
-            )
-        saver(self, obj)
-
-    def save_object(self, obj: Any, module: str, name: str, state: Any,
-                    save_state: Callable[[Any], None] | None = None) -> None:
-        """An instance pickled as ``cls.__new__(cls)`` then ``BUILD state``."""
-        self.save_global(module, name, ("global", module, name))
-        self.boundary()
-        self.w(b")\x81")
-        self.put(id(obj), obj)
-        if state is not None:
-            self.boundary()
-            if save_state is None:
-                self.save(state)
-            else:
-                save_state(state)
-            self.w(b"b")
-
-    def save_state_dict(self, state: Any, savers: dict[str, Callable[[Any], None]]) -> None:
-        """An instance ``__dict__`` whose fields have their own savers."""
-        if type(state) is not dict:
-            self.save(state)
-        elif not self.get(id(state)):
-            self.save_dict(state, savers=savers)
-
-
-def _state(obj: Any) -> Any:
-    return obj.__getstate__()
-
-
-def _save_metadata(w: _Writer, md: Any) -> None:
-    w.save_object(md, _MD_MOD, "Metadata", _state(md))
-
-
-def _save_tsm(w: _Writer, obj: Any) -> None:
-    w.save_object(obj, _MD_MOD, "TensorStorageMetadata", _state(obj),
-                  lambda st: w.save_state_dict(st, {"size": w.save_size}))
-
-
-def _save_props(w: _Writer, obj: Any) -> None:
-    state = _state(obj)
-
-    def save_state(st: Any) -> None:
-        if type(st) is not tuple or len(st) != 5:
-            w.save(st)
-            return
-        dtype, layout, rg, enc, pin = st
-        if w.get(id(st)):
-            return
-        w.w(b"(")
-        w.boundary()
-        dn = _torch_name(dtype)
-        w.save_dtype(dn) if dn is not None else w.save(dtype)
-        w.boundary()
-        ln = _torch_name(layout)
-        w.save_layout(ln) if ln is not None else w.save(layout)
-        w.save(rg)
-        w.boundary()
-        if isinstance(enc, Enum):
-            w.save_mem_encoding(int(enc.value))
-        else:
-            w.save(enc)
-        w.save(pin)
-        w.w(b"t")
-        w.put(id(st), st)
-
-    w.save_object(obj, _MD_MOD, "TensorProperties", state, save_state)
-
-
-def _save_chunk(w: _Writer, obj: Any) -> None:
-    w.save_object(obj, _MD_MOD, "ChunkStorageMetadata", _state(obj),
-                  lambda st: w.save_state_dict(st, {"offsets": w.save_size, "sizes": w.save_size}))
-
-
-def _save_bytes_md(w: _Writer, obj: Any) -> None:
-    w.save_object(obj, _MD_MOD, "BytesStorageMetadata", _state(obj))
-
-
-def _save_index(w: _Writer, obj: Any) -> None:
-    def off(v: Any) -> None:
-        w.save(v) if v is None else w.save_size(v)
-
-    w.save_object(obj, _MD_MOD, "MetadataIndex", _state(obj),
-                  lambda st: w.save_state_dict(st, {"offset": off}))
-
-
-def _save_storage_meta(w: _Writer, obj: Any) -> None:
-    w.save_object(obj, _MD_MOD, "StorageMeta", _state(obj),
-                  lambda st: w.save_state_dict(st, {}))
-
-
-def _save_storage_info(w: _Writer, obj: Any) -> None:
-    w.save_object(obj, _FS_MOD, "_StorageInfo", _state(obj),
-                  lambda st: w.save_state_dict(st, {}))
-
-
-_OBJECT_MODULES = frozenset(
-    {"shardstate.checkpoint.metadata", _MD_MOD, _FS_MOD}
-)
-_OBJECT_SAVERS: dict[str, Callable[[_Writer, Any], None]] = {
-    "Metadata": _save_metadata,
-    "TensorStorageMetadata": _save_tsm,
-    "TensorProperties": _save_props,
-    "ChunkStorageMetadata": _save_chunk,
-    "BytesStorageMetadata": _save_bytes_md,
-    "MetadataIndex": _save_index,
-    "StorageMeta": _save_storage_meta,
-    "_StorageInfo": _save_storage_info,
-}
+_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
+# Modules whose classes of those names are written as torch's: ours and torch's.
+_OBJECT_MODULES = frozenset({_smd.__name__, _MD_MOD, _FS_MOD})
+_OURS: dict[str, type] = {name: getattr(_smd, name) for name in _CLASSES}
+# Fields of a state dict that are torch.Size values (None allowed for "offset").
+_SIZE_FIELDS = {"TensorStorageMetadata": frozenset({"size"}),
+                "ChunkStorageMetadata": frozenset({"offsets", "sizes"}),
+                "MetadataIndex": frozenset({"offset"})}
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+_INT_ONLY = frozenset({int})
+_PLAIN_DEPTH = 100
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------
-# Writer, fast path: CPython's C pickler on stand-in classes
+# Placeholder modules and their stand-ins
 # --------------------------------------------------------------------------
 
 
-class _Decline(Exception):
-    """The fast writer cannot promise the reference writer's bytes for this graph."""
+def _fresh(s: str) -> str:
+    """An equal string that is no other object (never interned): torch's
+    names for sizes, dtypes and layouts are new strings, shared with nothing."""
+    return s[:1] + s[1:]
 
 
-# "<SHORT_BINUNICODE n>name<MEMOIZE>": how the C pickler (protocol 4) writes a
-# class's module string, once per module (later classes reuse it by BINGET).
-def _module_op(name: str) -> bytes:
+def _op(name: str) -> bytes:
+    """``SHORT_BINUNICODE name MEMOIZE``: how the C pickler (protocol 4)
+    writes a module name the first time."""
     b = name.encode()
     return b"\x8c" + bytes((len(b),)) + b + b"\x94"
 
 
-_RENAMES = (
-    (_module_op(_ph_md.__name__), _module_op(_MD_MOD)),
-    (_module_op(_ph_fs.__name__), _module_op(_FS_MOD)),
-)
-_PLAIN_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
-_PLAIN_DEPTH = 100
-_OURS: dict[str, type] = {name: getattr(_smd, name) for name in _OBJECT_SAVERS}
+class _StandIn:
+    """Base of the stand-in metadata classes: pickled as ``cls.__new__(cls)``
+    and then, unless ``state`` is None, ``BUILD state``."""
+
+    __slots__ = ("state",)
+
+    def __getstate__(self) -> Any:
+        return self.state
+
+
+class _ByName:
+    """A dtype or memory format: pickled as the global its name says."""
+
+    __slots__ = ("name",)
+
+    def __reduce__(self) -> str:
+        return self.name
+
+
+class _Layout:
+    """A layout: pickled as ``torch.serialization._get_layout(name)``."""
+
+    __slots__ = ("name", "fn")
+
+    def __reduce__(self) -> tuple:
+        return self.fn, (self.name,)
+
+
+def _size_reduce(self: tuple) -> tuple:
+    return type(self), (tuple(self),)
+
+
+class _Taken(Exception):
+    """A placeholder module name is already in sys.modules."""
+
+
+class _Placeholders:
+    """One set of placeholder modules (``variant``) and the stand-ins in them.
+
+    ``ops[tag]`` is (the placeholder's module name as pickled, torch's) for
+    each tag the converter records in ``used``: md, fs, dtype, size, layout,
+    memfmt. dtype and size are two distinct strings naming one module, as
+    torch's dtypes and ``torch.Size`` give two ``'torch'`` strings."""
+
+    def __init__(self, variant: int) -> None:
+        self.ops: dict[str, tuple[bytes, bytes]] = {}
+        self.named: dict[tuple[str, str], Any] = {}
+        mods: dict[str, Any] = {}
+
+        def module(tag: str, real: str, alias: str | None = None) -> tuple[str, Any]:
+            name = (f"_ss{variant:02x}_" + real.replace(".", "_"))[: len(real)]
+            if name in sys.modules:  # another copy of this module's, or anyone's
+                raise _Taken(name)
+            mod = mods[name] = types.ModuleType(name, f"shardstate: stands for {real} in .metadata")
+            self.ops[tag] = (_op(name), _op(real))
+            if alias is not None:
+                self.ops[alias] = self.ops[tag]
+            return name, mod
+
+        md_name, md = module("md", _MD_MOD)
+        fs_name, fs = module("fs", _FS_MOD)
+        dt_name, self.torch_mod = module("dtype", "torch", "size")
+        lay_name, lay = module("layout", "torch.serialization")
+        mf_name, mf = module("memfmt", "torch._utils")
+        self.classes: dict[str, type] = {}
+        for cls_name in _CLASSES:
+            home, mod = (fs_name, fs) if cls_name == "_StorageInfo" else (md_name, md)
+            cls = type(cls_name, (_StandIn,), {"__slots__": (), "__module__": home})
+            setattr(mod, cls_name, cls)
+            self.classes[cls_name] = cls
+        enc = Enum("_MEM_FORMAT_ENCODING",  # type: ignore[misc]
+                   [("TORCH_CONTIGUOUS_FORMAT", 0), ("TORCH_CHANNELS_LAST", 1),
+                    ("TORCH_PRESERVE_FORMAT", 2)], module=md_name, qualname="_MEM_FORMAT_ENCODING")
+        enc.__module__ = md_name  # the classes' own string: the pickler writes it once
+        md._MEM_FORMAT_ENCODING = enc
+        self.encodings = tuple(enc)
+        size = type("Size", (tuple,), {"__slots__": (), "__module__": _fresh(dt_name),
+                                       "__reduce__": _size_reduce})
+        size.__qualname__ = _fresh("Size")
+        self.torch_mod.Size = self.Size = size
+        self.dtype_cls = type("dtype", (_ByName,), {"__slots__": (), "__module__": dt_name})
+        self.memfmt_cls = type("memory_format", (_ByName,),
+                               {"__slots__": (), "__module__": mf_name})
+        self.memfmt_ns = mf.torch = types.SimpleNamespace()
+
+        def _get_layout(name: str) -> Any:
+            raise RuntimeError("a placeholder; never called")
+
+        _get_layout.__module__ = lay_name
+        _get_layout.__qualname__ = "_get_layout"
+        lay._get_layout = self.get_layout = _get_layout
+        sys.modules.update(mods)  # the pickler imports them to find the stand-ins
+
+    def torch_obj(self, name: str, kind: str) -> Any:
+        """The stand-in for torch's dtype, layout or memory format ``name``
+        ("torch.float32"), one per name; TypeError for a name no global can
+        spell."""
+        obj = self.named.get((kind, name))
+        if obj is not None:
+            return obj
+        with _LOCK:
+            obj = self.named.get((kind, name))
+            if obj is None:
+                obj = self.named[(kind, name)] = self._make(name, kind)
+        return obj
+
+    def _make(self, name: str, kind: str) -> Any:
+        if kind == "layout":
+            obj: Any = _Layout()
+            obj.name, obj.fn = _fresh(name), self.get_layout
+            return obj
+        short = name.removeprefix("torch.")
+        if not short.isidentifier() or short.startswith("_") or short == "Size" or (
+                kind == "memfmt" and short == name):
+            raise TypeError(f"cannot write {name!r} into .metadata as a torch {kind}")
+        if kind == "memfmt":
+            obj = self.memfmt_cls()
+            obj.name = _fresh(name)
+            setattr(self.memfmt_ns, short, obj)
+        else:
+            obj = self.dtype_cls()
+            obj.name = _fresh(short)
+            setattr(self.torch_mod, short, obj)
+        return obj
+
+    def rename(self, data: bytes, used: Iterable[str]) -> bytes | None:
+        """``data`` with the used placeholder module names renamed to torch's,
+        or None when one of them occurs other than as often as it was used."""
+        want: dict[bytes, list[Any]] = {}
+        for tag in used:
+            ph, real = self.ops[tag]
+            want.setdefault(ph, [real, 0])[1] += 1
+        for ph, (real, n) in want.items():
+            if data.count(ph) != n:
+                return None
+            data = data.replace(ph, real, n)
+        return data
+
+
+_LOCK = threading.Lock()
+_SETS: list[_Placeholders | None] = []
+_MAX_SETS = 64
+
+
+def _placeholder_sets() -> Iterator[_Placeholders]:
+    """Set 0, then the next ones, made as first needed; a set whose names
+    are taken (a reloaded copy of this module made them) is skipped."""
+    for v in range(_MAX_SETS):
+        if v == len(_SETS):
+            with _LOCK:
+                if v == len(_SETS):
+                    try:
+                        _SETS.append(_Placeholders(v))
+                    except _Taken:
+                        _SETS.append(None)
+        ph = _SETS[v]
+        if ph is not None:
+            yield ph
+
+
+# --------------------------------------------------------------------------
+# Conversion: the source graph (our classes or torch's) -> stand-ins
+# --------------------------------------------------------------------------
+
+
+class _Generic(Exception):
+    """The fast conversion does not cover this graph; the generic one does."""
 
 
 def _accepted_types(name: str) -> frozenset[type]:
@@ -497,38 +270,127 @@ def _accepted_types(name: str) -> frozenset[type]:
     return frozenset({_OURS[name], theirs} if isinstance(theirs, type) else {_OURS[name]})
 
 
-class _StandIns:
-    """Rebuilds a metadata graph (our classes or torch's) with the stand-in
-    classes of ``_torch_metadata`` / ``_torch_filesystem``, which the C
-    pickler writes exactly as it writes torch's classes.
+def _kind(t: type) -> str | None:
+    """The metadata class a type is written as, by module and name, or None."""
+    return t.__name__ if t.__module__ in _OBJECT_MODULES and t.__name__ in _OURS else None
 
-    Each source object (and each list or dict rebuilt around converted
-    objects) maps to one stand-in, so the C pickler's memo (by identity)
-    sees the same sharing as it would in the source graph. Values that are
-    not rebuilt (strings, ints, torch.Size, planner data) are passed on as
-    they are, so their sharing is the source's own. Anything whose native
-    pickling could differ from the reference writer's raises ``_Decline``:
-    stand-ins for torch objects (tuples as sizes, TorchName), types outside
-    plain values, cycles, a container both rebuilt and passed on."""
 
-    def __init__(self, torch: Any) -> None:
-        self.Size = torch.Size
-        self.dtype = torch.dtype
-        self.layout = torch.layout
+def _path_ok(p: pathlib.PurePath) -> bool:
+    """A path the pickler writes as ``cls(*parts)`` with str parts."""
+    return all(type(a) is str for a in p.__reduce__()[1])
+
+
+def _is_encoding(v: Any) -> bool:
+    return isinstance(v, Enum) and type(v).__name__ == "_MEM_FORMAT_ENCODING"
+
+
+class _Convert:
+    """Rebuilds a metadata graph with stand-ins (see the module docstring).
+
+    ``seen`` maps each source object (by id) to what it became, so the C
+    pickler's memo sees the source's sharing; ``keep`` holds the
+    temporaries among those sources. ``used`` collects the placeholder tags
+    the stand-ins need renamed."""
+
+    def __init__(self, ph: _Placeholders, torch: Any) -> None:
+        self.ph = ph
+        self.torch = torch
         self.seen: dict[int, Any] = {}
-        self.plain: list[Any] = []  # values checked once the graph is rebuilt
-        self.storage_info = False
-        self.ok = {name: _accepted_types(name) for name in _OURS}
+        self.keep: list[Any] = []
+        self.plain: list[Any] = []  # values the fast conversion passes on, checked at the end
+        self.used: set[str] = set()
+        self.resolved: dict[tuple[str, str], Any] = {}
+        if torch is not None:
+            self.Size: type = torch.Size
+            self.native = frozenset({torch.Size, torch.dtype, torch.layout, torch.memory_format})
+            self.props_native: tuple[Any, Any] = (torch.dtype, torch.layout)
+        else:
+            self.Size = ph.Size
+            self.native = frozenset()
+            self.props_native = (None, None)
+        self.ok = {name: _accepted_types(name) for name in _CLASSES}
 
-    def new(self, src: Any, cls: type, state: Any) -> Any:
-        obj = cls.__new__(cls)
-        obj.__dict__ = state
+    # ---- shared by both conversions ----
+
+    def new(self, src: Any, name: str, state: Any) -> Any:
+        obj = self.ph.classes[name]()
+        obj.state = state
         self.seen[id(src)] = obj
+        self.used.add("fs" if name == "_StorageInfo" else "md")
         return obj
 
+    def new_size(self, dims: tuple) -> Any:
+        """A new torch.Size (or its stand-in) for a tuple standing in for one."""
+        if not set(map(type, dims)) <= _INT_ONLY:
+            raise TypeError(f"torch.Size dimensions must be ints, got {dims!r}")
+        if self.torch is None:
+            self.used.add("size")
+        return self.Size(dims)
+
+    def torch_obj(self, name: str, kind: str) -> Any:
+        """torch's object for a name, if torch is loaded and has one of that
+        kind (dtype, layout, memfmt); else the placeholder."""
+        if self.torch is not None:
+            key = (name, kind)
+            obj = self.resolved.get(key, _MISSING)
+            if obj is _MISSING:
+                obj = self.torch
+                for part in name.split(".")[1:] if name.startswith("torch.") else ():
+                    obj = getattr(obj, part, None)
+                want = {"dtype": "dtype", "layout": "layout", "memfmt": "memory_format"}[kind]
+                t = type(obj)
+                obj = self.resolved[key] = obj if (t.__module__, t.__name__) == (
+                    "torch", want) else None
+            if obj is not None:
+                return obj
+        self.used.add(kind)
+        return self.ph.torch_obj(name, kind)
+
+    def encoding(self, value: Any) -> Any:
+        if type(value) is not int or not 0 <= value <= 2:
+            raise TypeError(f"cannot write _MEM_FORMAT_ENCODING({value!r}) into .metadata")
+        self.used.add("md")
+        return self.ph.encodings[value]
+
+    def props_state(self, st: tuple, fast: bool) -> tuple:
+        """TensorProperties' 5-tuple state: dtype and layout written as such
+        whatever their kind (as torch's __getstate__ leaves them), the memory
+        format by its encoding. ``fast``: _Generic for anything unusual."""
+        dtype, layout, rg, enc, pin = st
+        out = []
+        for v, kind, native in ((dtype, "dtype", self.props_native[0]),
+                                (layout, "layout", self.props_native[1])):
+            if type(v) is not native:
+                name = _torch_name(v)
+                if name is not None:
+                    v = self.torch_obj(name, kind)
+                elif fast:
+                    raise _Generic
+                else:
+                    v = self.value(v)
+            out.append(v)
+        if isinstance(enc, Enum):
+            enc = self.encoding(int(enc.value))
+        elif fast:
+            raise _Generic
+        else:
+            enc = self.value(enc)
+        if not fast:
+            rg, pin = self.value(rg), self.value(pin)
+        elif type(rg) is not bool or type(pin) is not bool:
+            raise _Generic
+        return (out[0], out[1], rg, enc, pin)
+
+    # ---- the fast conversion ----
+
+    def fast(self, md: Any) -> Any:
+        root = self.metadata(md)
+        self.check_plain()
+        return root
+
     def metadata(self, md: Any) -> Any:
-        if type(md) not in self.ok["Metadata"]:
-            raise _Decline
+        if type(md) not in self.ok["Metadata"] or not md.__dict__:
+            raise _Generic
         state = {}
         for k, v in md.__dict__.items():
             if k == "state_dict_metadata":
@@ -540,29 +402,31 @@ class _StandIns:
             else:
                 self.plain.append(v)
             state[k] = v
-        return self.new(md, _ph_md.Metadata, state)
+        return self.new(md, "Metadata", state)
 
     def entries(self, sdm: Any) -> dict:
         if type(sdm) is not dict:
-            raise _Decline
+            raise _Generic
         out = {}
         tsm, bsm = self.ok["TensorStorageMetadata"], self.ok["BytesStorageMetadata"]
         for fqn, e in sdm.items():
             if type(fqn) is not str:
-                raise _Decline
+                raise _Generic
             hit = self.seen.get(id(e))
             if hit is None:
                 if type(e) in tsm:
                     hit = self.tensor(e)
                 elif type(e) in bsm and not e.__dict__:
-                    hit = self.new(e, _ph_md.BytesStorageMetadata, e.__dict__)
+                    hit = self.new(e, "BytesStorageMetadata", None)
                 else:
-                    raise _Decline
+                    raise _Generic
             out[fqn] = hit
         self.seen[id(sdm)] = out
         return out
 
     def tensor(self, e: Any) -> Any:
+        if not e.__dict__:
+            raise _Generic
         state = {}
         for k, v in e.__dict__.items():
             if k == "properties":
@@ -570,47 +434,54 @@ class _StandIns:
                 v = self.properties(v) if hit is None else hit
             elif k == "size":
                 if type(v) is not self.Size:
-                    raise _Decline
+                    if type(v) is not tuple:
+                        raise _Generic
+                    v = self.new_size(v)
             elif k == "chunks":
                 hit = self.seen.get(id(v))
                 v = self.chunks(v) if hit is None else hit
             else:
                 self.plain.append(v)
             state[k] = v
-        return self.new(e, _ph_md.TensorStorageMetadata, state)
+        return self.new(e, "TensorStorageMetadata", state)
 
     def properties(self, p: Any) -> Any:
         if type(p) not in self.ok["TensorProperties"]:
-            raise _Decline
+            raise _Generic
         st = p.__getstate__()
         if type(st) is not tuple or len(st) != 5:
-            raise _Decline
-        dtype, layout, rg, enc, pin = st
-        if (type(dtype) is not self.dtype or type(layout) is not self.layout
-                or type(rg) is not bool or type(pin) is not bool
-                or not isinstance(enc, Enum) or type(enc).__name__ != "_MEM_FORMAT_ENCODING"):
-            raise _Decline
-        obj = _ph_md.TensorProperties.__new__(_ph_md.TensorProperties)
-        obj.state = (dtype, layout, rg, _ph_md._MEM_FORMAT_ENCODING(enc.value), pin)
-        self.seen[id(p)] = obj
-        return obj
+            raise _Generic
+        return self.new(p, "TensorProperties", self.props_state(st, True))
+
+    def sizes(self, d: dict, fields: frozenset[str]) -> dict:
+        """A state dict with its tuples standing in for sizes made sizes
+        (the source dict, should plain values hold it too, hands over)."""
+        out = self.seen[id(d)] = {}
+        for k, v in d.items():
+            if k in fields and type(v) is not self.Size and not (v is None and k == "offset"):
+                if type(v) is not tuple:
+                    raise _Generic
+                v = self.new_size(v)
+            out[k] = v
+        return out
 
     def chunks(self, chunks: Any) -> list:
         if type(chunks) is not list:
-            raise _Decline
+            raise _Generic
         out: list[Any] = []
         append, S, seen, ok = out.append, self.Size, self.seen, self.ok["ChunkStorageMetadata"]
-        Chunk = _ph_md.ChunkStorageMetadata
-        new = Chunk.__new__
+        Chunk = self.ph.classes["ChunkStorageMetadata"]
+        fields = _SIZE_FIELDS["ChunkStorageMetadata"]
         for c in chunks:
             hit = seen.get(id(c))
             if hit is None:
                 d = c.__dict__
-                if (type(c) not in ok or len(d) != 2 or type(d["offsets"]) is not S
-                        or type(d["sizes"]) is not S):
-                    raise _Decline
-                hit = new(Chunk)
-                hit.__dict__ = d
+                if type(c) not in ok or len(d) != 2:
+                    raise _Generic
+                if type(d["offsets"]) is not S or type(d["sizes"]) is not S:
+                    d = self.sizes(d, fields)
+                hit = Chunk()
+                hit.state = d
                 seen[id(c)] = hit
             append(hit)
         seen[id(chunks)] = out
@@ -620,23 +491,26 @@ class _StandIns:
         out = {}
         S, seen, plain = self.Size, self.seen, self.plain
         ok_idx, ok_info = self.ok["MetadataIndex"], self.ok["_StorageInfo"]
-        Index, Info = _ph_md.MetadataIndex, _ph_fs._StorageInfo
-        new_idx, new_info = Index.__new__, Info.__new__
+        Index, Info = self.ph.classes["MetadataIndex"], self.ph.classes["_StorageInfo"]
+        idx_fields = _SIZE_FIELDS["MetadataIndex"]
         for idx, info in sd.items():
             # A key occurs once in a dict, and indexes only ever sit in
             # storage_data, so keys need no identity map.
             d = idx.__dict__  # {fqn, index} or {fqn, index, offset}: torch's __init__
-            n = len(d)
-            if (type(idx) not in ok_idx or type(d["fqn"]) is not str
-                    or type(d["index"]) not in _PLAIN_ATOMS
-                    or not (n == 2 or (n == 3 and type(d.get("offset")) is S))):
-                raise _Decline
-            key = new_idx(Index)
-            key.__dict__ = d
+            off = d.get("offset", _MISSING)
+            if (type(idx) not in ok_idx or type(d.get("fqn")) is not str or "index" not in d
+                    or type(d["index"]) not in _ATOMS or len(d) != (2 if off is _MISSING else 3)):
+                raise _Generic
+            if off is not _MISSING and type(off) is not S:
+                if type(off) is not tuple:
+                    raise _Generic
+                d = self.sizes(d, idx_fields)
+            key = Index()
+            key.state = d
             val = seen.get(id(info))
             if val is None:
                 if type(info) not in ok_info:
-                    raise _Decline
+                    raise _Generic
                 d = info.__dict__
                 if len(d) == 4 and d.get("transform_descriptors", 0) is None:
                     st = d.copy()  # __getstate__'s result, the usual case: drop the None
@@ -644,86 +518,177 @@ class _StandIns:
                 else:
                     st = info.__getstate__()
                     plain.append(st)
-                if (type(st) is not dict or type(st["relative_path"]) is not str
-                        or type(st["offset"]) is not int or type(st["length"]) is not int):
-                    raise _Decline
-                val = new_info(Info)
-                val.__dict__ = st
+                if (type(st) is not dict or type(st.get("relative_path")) is not str
+                        or type(st.get("offset")) is not int or type(st.get("length")) is not int):
+                    raise _Generic
+                val = Info()
+                val.state = st
                 seen[id(info)] = val
             out[key] = val
-        self.storage_info = self.storage_info or bool(out)
+        if out:
+            self.used.add("fs")
         seen[id(sd)] = out
         return out
 
     def storage_meta(self, m: Any) -> Any:
-        if type(m) not in self.ok["StorageMeta"]:
-            raise _Decline
+        if type(m) not in self.ok["StorageMeta"] or not m.__dict__:
+            raise _Generic
         d = m.__dict__
         for k, v in d.items():
             if k == "checkpoint_id" and isinstance(v, pathlib.PurePath):
-                if not all(type(a) is str for a in v.__reduce__()[1]):
-                    raise _Decline
+                if not _path_ok(v):
+                    raise _Generic
             else:
                 self.plain.append(v)
-        return self.new(m, _ph_md.StorageMeta, d)
+        return self.new(m, "StorageMeta", d)
 
     def check_plain(self) -> None:
-        """Every passed-on value is a tree (or DAG) of plain values and
-        torch.Sizes, without cycles, no deeper than _PLAIN_DEPTH, sharing no
-        container with the rebuilt graph. Each container is walked once."""
-        S, seen = self.Size, self.seen
+        """Every passed-on value is written as it is: plain values, torch's
+        own objects and str-part paths, no deeper than _PLAIN_DEPTH, sharing
+        no container with the rebuilt graph (cycles are the pickler's to
+        write). Each container is walked once."""
+        seen, native = self.seen, self.native
         done: set[int] = set()
-        active: set[int] = set()
 
         def walk(v: Any, depth: int) -> None:
             t = type(v)
-            if t in _PLAIN_ATOMS or id(v) in done:
+            if t in _ATOMS or t in native:
                 return
-            if depth > _PLAIN_DEPTH or id(v) in seen or id(v) in active:
-                raise _Decline
+            key = id(v)
+            if key in seen or depth > _PLAIN_DEPTH:
+                raise _Generic
+            if key in done:
+                return
+            done.add(key)
             if t is dict:
-                items: Iterable[Any] = (x for kv in v.items() for x in kv)
-            elif t in (list, tuple, set, frozenset) or t is S:
-                items = v
-            else:
-                raise _Decline
-            active.add(id(v))
-            for x in items:
-                walk(x, depth + 1)
-            active.discard(id(v))
-            done.add(id(v))
+                for k, x in v.items():
+                    walk(k, depth + 1)
+                    walk(x, depth + 1)
+            elif t is list or t is tuple or t is set or t is frozenset:
+                for x in v:
+                    walk(x, depth + 1)
+            elif not (isinstance(v, pathlib.PurePath) and _path_ok(v)):
+                raise _Generic
 
         for v in self.plain:
             walk(v, 0)
 
+    # ---- the generic conversion ----
 
-def _dumps_fast(md: Any) -> bytes | None:
-    """``md``'s ``.metadata`` through CPython's C pickler, or None when only
-    the reference writer can promise its bytes (torch not loaded, stand-ins
-    for torch objects, values outside the plain types). The graph is rebuilt
-    with stand-in classes (``_StandIns``), pickled, and the stand-ins' two
-    module names, written once each, are renamed to torch's in place: the
-    same length, so frames and offsets hold. A rename is made only when its
-    module string occurs exactly as often as the graph used the module
-    (a user string spelling the stand-in's module makes it decline)."""
+    def value(self, v: Any) -> Any:
+        t = type(v)
+        if t in _ATOMS:
+            return v
+        key = id(v)
+        hit = self.seen.get(key, _MISSING)
+        if hit is not _MISSING:
+            return hit
+        if t is list:
+            out: Any = []
+            self.seen[key] = out  # before the items: a list may hold itself
+            out.extend([self.value(x) for x in v])
+            return out
+        if t is dict:
+            out = self.seen[key] = {}
+            for k, x in v.items():
+                out[self.value(k)] = self.value(x)
+            return out
+        if t is tuple or t is set or t is frozenset:
+            items = [self.value(x) for x in v]
+            hit = self.seen.get(key, _MISSING)  # made meanwhile, through a list in it
+            if hit is not _MISSING:
+                return hit
+            # unchanged: the object itself (a copied set may iterate in another order)
+            same = all(a is b for a, b in zip(items, v))
+            out = self.seen[key] = v if same else t(items)
+            return out
+        if t in self.native:  # torch's own sizes, dtypes, layouts, memory formats
+            return v
+        name = _torch_name(v)
+        if name is not None:
+            kind = "layout" if name in _LAYOUT_NAMES else (
+                "memfmt" if name in _MEMFMT_NAMES else "dtype")
+            return self.torch_obj(name, kind)
+        if _is_encoding(v):
+            return self.encoding(int(v.value))
+        if isinstance(v, pathlib.PurePath):
+            if not _path_ok(v):
+                raise TypeError(f"cannot pickle path {v!r}")
+            return v
+        kind = _kind(t)
+        if kind is None:
+            raise TypeError(
+                f"cannot write {t.__module__}.{t.__qualname__} into .metadata; expected the "
+                "checkpoint metadata classes, torch dtypes and sizes, or plain Python values"
+            )
+        state = v.__getstate__()
+        self.keep.append(state)
+        obj = self.new(v, kind, None)  # memoized before its state, as the pickler does
+        if kind == "TensorProperties" and type(state) is tuple and len(state) == 5:
+            obj.state = self.props_state(state, False)
+        else:
+            obj.state = self.state(state, _SIZE_FIELDS.get(kind, frozenset()))
+        return obj
+
+    def state(self, st: Any, fields: frozenset[str]) -> Any:
+        """An instance's state dict, its size fields made sizes."""
+        if type(st) is not dict or not fields:
+            return self.value(st)
+        hit = self.seen.get(id(st), _MISSING)
+        if hit is not _MISSING:
+            return hit
+        out = self.seen[id(st)] = {}
+        for k, x in st.items():
+            if k in fields and not (x is None and k == "offset"):
+                x = self.size(x)
+            else:
+                x = self.value(x)
+            out[self.value(k)] = x
+        return out
+
+    def size(self, v: Any) -> Any:
+        """A value in a torch.Size field: a real one as it is (memoized by
+        identity), a tuple as a new Size each time, anything else (a list)
+        as one Size per object."""
+        t = type(v)
+        if t is self.Size:
+            return v
+        if t is tuple:
+            return self.new_size(v)
+        hit = self.seen.get(id(v), _MISSING)
+        if hit is _MISSING:
+            hit = self.seen[id(v)] = self.new_size(tuple(v))
+        return hit
+
+
+# --------------------------------------------------------------------------
+# The writer
+# --------------------------------------------------------------------------
+
+
+def _dumps(md: Any, generic: bool | None = None) -> bytes | None:
+    """``dumps_metadata`` by a chosen conversion: ``generic=None`` the fast
+    one, else the generic one; ``False`` the fast one only (None where it
+    hands over); ``True`` the generic one only. Tests and the benchmark
+    compare them."""
     torch = loaded_torch()
-    if torch is None:
-        return None
-    try:
-        conv = _StandIns(torch)
-        root = conv.metadata(md)
-        conv.check_plain()
-        f = io.BytesIO()
-        pickle.Pickler(f, protocol=4).dump(root)
-    except Exception:  # _Decline, or anything the reference should answer for
-        return None
-    data = f.getvalue()
-    for (ph, real), used in zip(_RENAMES, (True, conv.storage_info)):
-        if data.count(ph) != int(used):
-            return None
-        if used:
-            data = data.replace(ph, real)
-    return data
+    with gc_paused():
+        for ph in _placeholder_sets():
+            conv = _Convert(ph, torch)
+            if generic:
+                root = conv.value(md)
+            else:
+                try:
+                    root = conv.fast(md)
+                except (_Generic, LookupError, AttributeError, TypeError, ValueError):
+                    if generic is False:
+                        return None
+                    conv = _Convert(ph, torch)
+                    root = conv.value(md)
+            data = ph.rename(pickle.dumps(root, protocol=4), conv.used)
+            if data is not None:
+                return data
+    raise ValueError(f"the data spells all {_MAX_SETS} sets of placeholder module names")
 
 
 def dumps_metadata(md: Any) -> bytes:
@@ -733,35 +698,12 @@ def dumps_metadata(md: Any) -> bytes:
     torch objects or stand-ins: tuples for ``torch.Size``, ``TorchName`` for
     dtypes and layouts) or torch's own ``Metadata``. torch is never imported;
     the classes are written under torch's import paths (protocol 4), so
-    ``pickle.load`` in a process with torch gives torch's classes.
-
-    The bytes equal ``pickle.dumps(torch_md)`` for the torch ``Metadata`` with
-    the same values and the same object sharing. Sharing matters because
-    pickle memoizes by identity: an object referenced twice is written once.
-    Strings, lists and dicts are memoized by identity here too; dtypes, layouts
-    and memory-format encodings by name (torch's are singletons); a plain tuple
-    standing in for a ``torch.Size`` is never shared (a real ``torch.Size``
-    is memoized by identity).
-
-    Two writers give these bytes. When torch is loaded and the graph holds
-    real torch objects and plain values (every save of torch tensors),
-    ``_dumps_fast`` runs CPython's C pickler on stand-in classes: three times
-    faster, about torch's own speed. Otherwise (torch absent, stand-ins,
-    anything it cannot promise) ``_dumps_reference``, the opcode writer,
-    answers, errors included.
+    ``pickle.load`` in a process with torch gives torch's classes. The bytes
+    equal ``pickle.dumps(torch_md)`` for the torch ``Metadata`` with the same
+    values and the same object sharing (see the module docstring). TypeError
+    for values outside the checkpoint metadata classes, torch's sizes,
+    dtypes, layouts, memory formats, paths and plain Python values.
     """
-    with gc_paused():
-        data = _dumps_fast(md)
-        return data if data is not None else _dumps_reference(md)
-
-
-def _dumps_reference(md: Any) -> bytes:
-    """``dumps_metadata`` by the pure-Python opcode writer: any graph, torch
-    loaded or not; three to four times slower than the C pickler."""
-    w = _Writer()
-    with gc_paused():
-        w.save(md)
-        w.w(b".")
-        w.commit()
-    return bytes(w.buf)
-
+    data = _dumps(md)
+    assert data is not None
+    return data
