@@ -601,6 +601,64 @@ def test_old_format_metadata() -> None:
     assert next(iter(ours.storage_data)).offset is None
 
 
+def _legacy_metadata(path: Path) -> tuple[tmd.Metadata, bytes]:
+    """The checkpoint's torch Metadata, and the same with every
+    TensorProperties made torch's legacy class (what older torch wrote)."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+
+    current = pickle.loads((path / ".metadata").read_bytes())
+    legacy = pickle.loads((path / ".metadata").read_bytes())
+    for e in legacy.state_dict_metadata.values():
+        if isinstance(e, tmd.TensorStorageMetadata):
+            p = e.properties
+            e.properties = Legacy(p.dtype, p.layout, p.requires_grad, p.memory_format,
+                                  p.pin_memory)
+    raw = pickle.dumps(legacy)
+    assert raw.count(b"torch.distributed._shard.sharded_tensor.metadata") == 1
+    assert b"MEM_FORMAT_ENCODING" in raw and b"TensorProperties" in raw
+    return current, raw
+
+
+def test_legacy_tensor_properties_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstate.checkpoint as ss
+
+    sd = {"w": torch.randn(3, 4), "h": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+          "cl": torch.zeros(1, 2, 2, 2).to(memory_format=torch.channels_last), "step": 3}
+    dcp_save(sd, tmp_path)
+    current, raw = _legacy_metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes(raw)
+    # both engines read it as the current class
+    for fast in (True, False):
+        md = B._build("x", U._unpickle(raw, U._METADATA_GLOBALS, "x", fast=fast))
+        for k in ("w", "h", "cl"):
+            p, ref = md.state_dict_metadata[k].properties, current.state_dict_metadata[k].properties
+            assert type(p) is smd.TensorProperties
+            assert (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory) == (
+                ref.dtype, ref.layout, ref.requires_grad, ref.memory_format, ref.pin_memory)
+    assert norm(loads_metadata(raw)) == norm(current)
+    # ... and the C unpickler serves it (no fallback to the reference)
+    with monkeypatch.context() as m:
+        m.setattr(U._RestrictedUnpickler, "load", lambda self: pytest.fail("reference ran"))
+        assert norm(loads_metadata(raw)) == norm(current)
+    # written back as torch's current class
+    assert dumps_metadata(pickle.loads(raw)) == pickle.dumps(current)
+    # shardstate's reader and load, and torch's, read the file alike
+    ours = ss.FileSystemReader(tmp_path).read_metadata()
+    theirs = FileSystemReader(str(tmp_path)).read_metadata()
+    assert type(ours.state_dict_metadata["w"].properties) is tmd.TensorProperties
+    assert type(theirs.state_dict_metadata["w"].properties).__module__ == (
+        "torch.distributed._shard.sharded_tensor.metadata")
+    ours.storage_meta.load_id = theirs.storage_meta.load_id = None
+    assert norm(ours) == norm(theirs)
+    for load in (ss.load, dcp.load):
+        out = {"w": torch.zeros(3, 4), "h": torch.zeros(2, 3, dtype=torch.float16),
+               "cl": torch.ones(1, 2, 2, 2), "step": 0}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+            load(out, checkpoint_id=str(tmp_path))
+        assert all(torch.equal(out[k], sd[k]) for k in ("w", "h", "cl")) and out["step"] == 3
+
+
 # --------------------------------------------------------------------------
 # Without torch
 # --------------------------------------------------------------------------

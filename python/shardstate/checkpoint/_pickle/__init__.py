@@ -54,7 +54,9 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     dtypes, layouts, memory formats, paths and plain Python values are
     admitted; anything else raises :class:`UnsafePickleError` naming it, and
     nothing it names is imported or called. Metadata written by older torch
-    versions (fewer fields, ``TensorProperties`` as a dict) is accepted.
+    versions (fewer fields, ``TensorProperties`` as a dict or as the legacy
+    ``torch.distributed._shard.sharded_tensor.metadata.TensorProperties``)
+    is accepted.
 
     ``allow_unsafe=True`` runs a plain ``pickle.loads`` (which can run
     arbitrary code: for trusted checkpoints only) and converts torch's classes

@@ -14,6 +14,11 @@ from ..metadata import TorchName
 
 _MD_MOD = "torch.distributed.checkpoint.metadata"
 _FS_MOD = "torch.distributed.checkpoint.filesystem"
+# Where TensorProperties (and its MEM_FORMAT_ENCODING) lived before torch's
+# checkpoint metadata had its own; older torch wrote .metadata naming it, and
+# torch still loads such files (the class is there, with the same fields and
+# 5-tuple state).
+_LEGACY_MOD = "torch.distributed._shard.sharded_tensor.metadata"
 
 
 def _torch_module(name: str) -> str:

@@ -38,7 +38,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import ShardstateError, _core
-from .names import _DTYPE_NAMES, _LAYOUT_NAMES, _MD_MOD, _MEMFMT_NAMES, _torch_module
+from .names import (
+    _DTYPE_NAMES,
+    _LAYOUT_NAMES,
+    _LEGACY_MOD,
+    _MD_MOD,
+    _MEMFMT_NAMES,
+    _torch_module,
+)
 
 
 class UnsafePickleError(ShardstateError, pickle.UnpicklingError):
@@ -370,6 +377,10 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_PLAIN_GLOBALS,
     **{(_torch_module(n), n): p for n, p in _PROXIES.items()},
     (_MD_MOD, "_MEM_FORMAT_ENCODING"): _Call(f"{_MD_MOD}._MEM_FORMAT_ENCODING", _enum_ctor),
+    # older torch's TensorProperties: read as the current one
+    (_LEGACY_MOD, "TensorProperties"): _PROXIES["TensorProperties"],
+    (_LEGACY_MOD, "MEM_FORMAT_ENCODING"): _Call(f"{_LEGACY_MOD}.MEM_FORMAT_ENCODING",
+                                                 _enum_ctor),
     ("torch.serialization", "_get_layout"): _Call("torch.serialization._get_layout", _layout_ctor),
 }
 

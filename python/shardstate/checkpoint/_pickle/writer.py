@@ -59,12 +59,21 @@ from typing import Any
 
 from ..._util import gc_paused, loaded_torch
 from .. import metadata as _smd
-from .names import _FS_MOD, _LAYOUT_NAMES, _MD_MOD, _MEMFMT_NAMES, _torch_module, _torch_name
+from .names import (
+    _FS_MOD,
+    _LAYOUT_NAMES,
+    _LEGACY_MOD,
+    _MD_MOD,
+    _MEMFMT_NAMES,
+    _torch_module,
+    _torch_name,
+)
 
 _CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
-# Modules whose classes of those names are written as torch's: ours and torch's.
-_OBJECT_MODULES = frozenset({_smd.__name__, _MD_MOD, _FS_MOD})
+# Modules whose classes of those names are written as torch's: ours, torch's
+# and torch's legacy TensorProperties (written as the current one).
+_OBJECT_MODULES = frozenset({_smd.__name__, _MD_MOD, _FS_MOD, _LEGACY_MOD})
 _OURS: dict[str, type] = {name: getattr(_smd, name) for name in _CLASSES}
 # Fields of a state dict that are torch.Size values (None allowed for "offset").
 _SIZE_FIELDS = {"TensorStorageMetadata": frozenset({"size"}),
@@ -264,10 +273,12 @@ class _Generic(Exception):
 
 
 def _accepted_types(name: str) -> frozenset[type]:
-    """Our class of that name, and torch's if torch's module is loaded."""
-    mod = sys.modules.get(_torch_module(name))
-    theirs = getattr(mod, name, None)
-    return frozenset({_OURS[name], theirs} if isinstance(theirs, type) else {_OURS[name]})
+    """Our class of that name, and torch's (and its legacy TensorProperties)
+    where torch's module is loaded."""
+    mods = (_torch_module(name), _LEGACY_MOD) if name == "TensorProperties" else (
+        _torch_module(name),)
+    theirs = (getattr(sys.modules.get(m), name, None) for m in mods)
+    return frozenset({_OURS[name], *(t for t in theirs if isinstance(t, type))})
 
 
 def _kind(t: type) -> str | None:
