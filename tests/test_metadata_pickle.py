@@ -8,6 +8,7 @@ files into our classes and refuse anything that would run code.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import os
 import pathlib
@@ -586,6 +587,43 @@ def test_allow_unsafe_reads_plainly() -> None:
     with pytest.raises(UnsafePickleError, match="collections.Counter"):
         loads_object(rec)
     assert loads_object(rec, allow_unsafe=True) == collections.Counter("aab")
+
+
+@dataclasses.dataclass
+class UserPlannerData:
+    """A class of the user's own, outside the allowlist (importable, so a
+    plain unpickle finds it)."""
+
+    name: str
+    n: int
+
+
+def test_unsafe_unpickle_reads_any_class(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstate.checkpoint as ss
+
+    sd = {"w": torch.randn(2, 3), "step": 5}
+    dcp_save(sd, tmp_path)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    md.planner_data["user"] = UserPlannerData("x", 1)
+    raw = pickle.dumps(md)
+    (tmp_path / ".metadata").write_bytes(raw)
+    # refused by default, naming the class and the opt-in
+    refused = r"test_metadata_pickle\.UserPlannerData.*unsafe_unpickle=True"
+    with pytest.raises(ss.StorageFormatError, match=refused):
+        ss.FileSystemReader(tmp_path).read_metadata()
+    with pytest.raises(UnsafePickleError, match=refused):
+        loads_metadata(raw)
+    # the opt-in: a plain unpickle, used as it is (the writer is not involved)
+    monkeypatch.setattr(W, "_dumps", lambda *a, **k: pytest.fail("the writer ran"))
+    ours = loads_metadata(raw, allow_unsafe=True)
+    assert type(ours) is smd.Metadata and ours.planner_data["user"] == UserPlannerData("x", 1)
+    assert norm(ours) == norm(md)
+    got = ss.FileSystemReader(tmp_path, unsafe_unpickle=True).read_metadata()
+    assert got.planner_data["user"] == UserPlannerData("x", 1)
+    out = {"w": torch.zeros(2, 3), "step": 0}
+    ss.load(out, storage_reader=ss.FileSystemReader(tmp_path, unsafe_unpickle=True))
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 5
 
 
 def test_old_format_metadata() -> None:

@@ -31,7 +31,7 @@ import pickle
 
 from ..._util import gc_paused
 from ..metadata import Metadata
-from .build import _build
+from .build import _build, from_unpickled
 from .objects import dumps_object, loads_object
 from .unpickler import _METADATA_GLOBALS, _PROXIES, PickleFormatError, UnsafePickleError, _unpickle
 from .writer import dumps_metadata
@@ -52,27 +52,27 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
 
     Only torch's checkpoint metadata classes, ``_StorageInfo``, ``torch.Size``,
     dtypes, layouts, memory formats, paths and plain Python values are
-    admitted; anything else raises :class:`UnsafePickleError` naming it, and
-    nothing it names is imported or called. Metadata written by older torch
-    versions (fewer fields, ``TensorProperties`` as a dict or as the legacy
+    admitted; anything else raises :class:`UnsafePickleError` naming it (and
+    the trusted opt-in), and nothing it names is imported or called.
+    Metadata written by older torch versions (fewer fields,
+    ``TensorProperties`` as a dict or as the legacy
     ``torch.distributed._shard.sharded_tensor.metadata.TensorProperties``)
     is accepted.
 
-    ``allow_unsafe=True`` runs a plain ``pickle.loads`` (which can run
-    arbitrary code: for trusted checkpoints only) and converts torch's classes
-    to ours.
+    ``allow_unsafe=True`` (``FileSystemReader(path, unsafe_unpickle=True)``)
+    is a plain ``pickle.loads``, which imports and runs whatever the file
+    names: for trusted checkpoints only. Its objects are used as they are;
+    only torch's ``Metadata`` itself is made ours (``build.from_unpickled``).
     """
     if allow_unsafe:
-        obj = pickle.loads(data)
-        if type(obj).__name__ != "Metadata":
-            raise PickleFormatError(f".metadata holds a {type(obj).__name__}, not a Metadata")
-        if isinstance(obj, Metadata):
-            return obj
-        # torch's classes: re-read through the restricted path from its bytes
-        return loads_metadata(dumps_metadata(obj))
+        return from_unpickled(pickle.loads(data))
     with gc_paused():
-        obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+        try:
+            obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+        except UnsafePickleError as e:
+            raise UnsafePickleError(
+                f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
+                "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
         if type(obj) is not _PROXIES["Metadata"]:
             raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
         return _build(".metadata", obj)
-

@@ -8,7 +8,12 @@ missing optional ones take their defaults, so older torch's files load).
 It builds shardstate's metadata classes; torch objects (sizes, dtypes) when
 torch is loaded, else tuples and ``TorchName``; NumPy arrays and scalars
 from their bytes, never through numpy's unpickling code. Any fault raises
-``PickleFormatError`` naming it. No torch import; thread-safe.
+``PickleFormatError`` naming it.
+
+``from_unpickled`` serves the trusted opt-in instead: what a plain
+``pickle.loads`` gave, used as it is, only its ``Metadata`` made ours.
+
+No torch import; thread-safe.
 """
 
 from __future__ import annotations
@@ -393,3 +398,24 @@ def _build(what: str, obj: Any) -> Any:
         raise PickleFormatError(f"{what}: malformed objects: {type(e).__name__}: {e}") from None
 
 
+
+
+_METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta",
+                    "version")
+
+
+def from_unpickled(obj: Any) -> Metadata:
+    """What a plain ``pickle.loads`` of ``.metadata`` gave (the trusted
+    opt-in), as a :class:`Metadata`: ours as it is, torch's (any class named
+    Metadata) made ours field by field, fields older torch did not write
+    left at their defaults. Everything in it (torch's classes, the legacy
+    TensorProperties, a user's classes in planner_data) is used as it is:
+    shardstate's readers and planners accept torch's classes."""
+    if isinstance(obj, Metadata):
+        return obj
+    if type(obj).__name__ != "Metadata":
+        raise PickleFormatError(f".metadata holds a {type(obj).__name__}, not a Metadata")
+    fields = getattr(obj, "__dict__", {})
+    if "state_dict_metadata" not in fields:
+        raise PickleFormatError(".metadata's Metadata has no state_dict_metadata")
+    return Metadata(**{k: fields[k] for k in _METADATA_FIELDS if k in fields})

@@ -96,4 +96,9 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
     pkl = bytes(mv[pk.data_offset : pk.data_offset + pk.size])
     if allow_unsafe:
         return pickle.loads(pkl)
-    return _build("bytes item", _unpickle(pkl, _PLAIN_GLOBALS, "bytes item"))
+    try:
+        obj = _unpickle(pkl, _PLAIN_GLOBALS, "bytes item")
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{e}; pass allow_unsafe=True only for trusted checkpoints") \
+            from None
+    return _build("bytes item", obj)

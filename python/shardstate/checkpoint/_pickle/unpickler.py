@@ -406,8 +406,7 @@ def _find_class(allowed: dict[tuple[str, str], Any], proto: int, module: str, na
     if obj is None:
         raise UnsafePickleError(
             f"pickle references {module}.{name}, which is not on the allowlist of "
-            "checkpoint metadata classes, torch dtypes/sizes and plain Python values; "
-            "pass allow_unsafe=True only for trusted checkpoints"
+            "checkpoint metadata classes, torch dtypes/sizes and plain Python values"
         )
     return obj
 
