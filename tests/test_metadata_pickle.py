@@ -39,8 +39,10 @@ from shardstate.checkpoint._pickle import (
     loads_metadata,
     loads_object,
 )
+from shardstate.checkpoint._pickle import allowlist as A
 from shardstate.checkpoint._pickle import build as B
 from shardstate.checkpoint._pickle import names as N
+from shardstate.checkpoint._pickle import standins as S
 from shardstate.checkpoint._pickle import unpickler as U
 from shardstate.checkpoint._pickle import writer as W
 from shardstate.checkpoint.metadata import TorchName
@@ -263,17 +265,17 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
 def test_placeholder_modules_have_torch_lengths() -> None:
     import importlib
 
-    ph = next(W._placeholder_sets())
+    ph = next(S._placeholder_sets())
     reals = {"md": N._MD_MOD, "fs": N._FS_MOD, "dtype": "torch", "size": "torch",
              "layout": "torch.serialization", "memfmt": "torch._utils"}
     assert ph.ops.keys() == reals.keys()
     for tag, (placeholder, real) in ph.ops.items():
-        assert real == W._op(reals[tag]) and len(placeholder) == len(real), tag
+        assert real == S._op(reals[tag]) and len(placeholder) == len(real), tag
         assert placeholder[2:-1].decode() in sys.modules, tag
     for name, cls in ph.classes.items():
         theirs = getattr(importlib.import_module(N._torch_module(name)), name)
         assert cls.__qualname__ == theirs.__qualname__
-        assert W._op(cls.__module__) == ph.ops["fs" if name == "_StorageInfo" else "md"][0]
+        assert S._op(cls.__module__) == ph.ops["fs" if name == "_StorageInfo" else "md"][0]
     assert [e.value for e in ph.encodings] == [e.value for e in tmd._MEM_FORMAT_ENCODING]
     assert [e.name for e in ph.encodings] == [e.name for e in tmd._MEM_FORMAT_ENCODING]
 
@@ -368,7 +370,7 @@ def test_fast_writer_serves_stand_ins_and_cycles() -> None:
 
 
 def test_data_spelling_a_placeholder_takes_the_next_names() -> None:
-    ph0 = next(W._placeholder_sets())
+    ph0 = next(S._placeholder_sets())
     for where in ("fqn", "planner", "bytes"):
         tm = torch_metadata()
         name = ph0.ops["md"][0][2:-1].decode()
@@ -381,7 +383,7 @@ def test_data_spelling_a_placeholder_takes_the_next_names() -> None:
         data = _served(loads_metadata(pickle.dumps(tm)))
         assert data == pickle.dumps(tm)
         assert pickle.loads(data) == tm
-    assert len(W._SETS) >= 2
+    assert len(S._SETS) >= 2
 
 
 def test_fast_writer_hands_over_what_it_does_not_cover() -> None:
@@ -667,7 +669,7 @@ def test_legacy_tensor_properties_load(tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / ".metadata").write_bytes(raw)
     # both engines read it as the current class
     for fast in (True, False):
-        md = B._build("x", U._unpickle(raw, U._METADATA_GLOBALS, "x", fast=fast))
+        md = B._build("x", U._unpickle(raw, A._METADATA_GLOBALS, "x", fast=fast))
         for k in ("w", "h", "cl"):
             p, ref = md.state_dict_metadata[k].properties, current.state_dict_metadata[k].properties
             assert type(p) is smd.TensorProperties
@@ -726,14 +728,14 @@ def test_torch_free_round_trip(tmp_path: Path) -> None:
         assert md.state_dict_metadata["emb"].properties.memory_format == "torch.channels_last"
         assert type(md.state_dict_metadata["layer.w"].size) is tuple
         assert dumps_metadata(md) == expected
-        from shardstate.checkpoint._pickle import writer as W
-        assert len(W._SETS) == 1
+        from shardstate.checkpoint._pickle import standins as S, writer as W
+        assert len(S._SETS) == 1
         expected = (tmp / "expected_objs").read_bytes()
         md = loads_metadata(expected)
         assert md.planner_data["objs"][:3] == ["torch.float16", "torch.strided",
                                               "torch.channels_last"]
         assert dumps_metadata(md) == expected
-        assert W._dumps(md, False) is None and len(W._SETS) == 2
+        assert W._dumps(md, False) is None and len(S._SETS) == 2
         ck = loads_metadata((tmp / "ck" / ".metadata").read_bytes())
         assert ck.state_dict_metadata["w"].size == (2,)
         got = {}
@@ -828,7 +830,7 @@ def test_malicious_pickles_are_refused(tmp_path: Path) -> None:
         with pytest.raises(UnsafePickleError, match=name.replace(".", r"\.")):
             loads_metadata(data)
         with pytest.raises(UnsafePickleError):  # the bytes-item allowlist is narrower
-            B._Builder("x").value(U._unpickle(data, U._PLAIN_GLOBALS, "bytes item"))
+            B._Builder("x").value(U._unpickle(data, A._PLAIN_GLOBALS, "bytes item"))
         assert not canary.exists(), name
     rec = dumps_object(1)
     evil_rec = rec.replace(b"\x80\x02K\x01.", b"\x80\x02" + _g("os", "system") + b"N\x85R.")
@@ -868,12 +870,12 @@ def test_forged_lengths_do_not_allocate() -> None:
             shardstate._core.pickle_scan(data)
         for fast in (True, False):
             with pytest.raises(PickleFormatError, match="BYTEARRAY8"):
-                U._unpickle(data, U._PLAIN_GLOBALS, "x", fast=fast)
+                U._unpickle(data, A._PLAIN_GLOBALS, "x", fast=fast)
         with pytest.raises(PickleFormatError):
             loads_object(_zipfmt.bytes_record(data))
     # a well-formed one still reads
     ok = pickle.dumps(bytearray(b"abc"), protocol=5)
-    assert U._unpickle(ok, U._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
+    assert U._unpickle(ok, A._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
     assert time.perf_counter() - t < 1
 
 
@@ -942,8 +944,8 @@ def test_fuzz_mutated_metadata(edits: list[tuple[int, int]], cut: int) -> None:
         data[pos] = byte
     for blob in (bytes(data), bytes(data[:cut]) + bytes(data[cut + 1:])):
         # the C fast path and the pure-Python reference agree (value or error)
-        assert _outcome(blob, U._METADATA_GLOBALS, True) == \
-            _outcome(blob, U._METADATA_GLOBALS, False)
+        assert _outcome(blob, A._METADATA_GLOBALS, True) == \
+            _outcome(blob, A._METADATA_GLOBALS, False)
         try:
             md = loads_metadata(blob)
         except (UnsafePickleError, PickleFormatError):
@@ -1012,8 +1014,8 @@ def test_scan_passes_what_pickle_writes(protocol: int) -> None:
             proto, end = shardstate._core.pickle_scan(data)
             assert (proto, end) == (protocol, len(data))
             assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
-        assert _outcome(data, U._PLAIN_GLOBALS, True) == _outcome(data, U._PLAIN_GLOBALS, False)
-        assert _outcome(data, U._PLAIN_GLOBALS, True)[0] == "value"
+        assert _outcome(data, A._PLAIN_GLOBALS, True) == _outcome(data, A._PLAIN_GLOBALS, False)
+        assert _outcome(data, A._PLAIN_GLOBALS, True)[0] == "value"
 
 
 def test_scan_refuses_what_the_c_unpickler_would_mishandle() -> None:
@@ -1056,7 +1058,7 @@ def test_c_unpickler_refuses_the_malicious_pickles(tmp_path: Path) -> None:
             continue
         through += 1
         with pytest.raises(UnsafePickleError):
-            B._build("x", U._CRestrictedUnpickler(data, U._METADATA_GLOBALS, proto).load())
+            B._build("x", U._CRestrictedUnpickler(data, A._METADATA_GLOBALS, proto).load())
         assert not canary.exists(), name
     assert through >= 20
 
@@ -1083,8 +1085,8 @@ def test_fuzz_fast_path_equals_reference_objects(protocol: int,
                                   protocol=protocol))
     for pos, byte in edits:
         data[pos % len(data)] = byte
-    assert _outcome(bytes(data), U._PLAIN_GLOBALS, True) == \
-        _outcome(bytes(data), U._PLAIN_GLOBALS, False)
+    assert _outcome(bytes(data), A._PLAIN_GLOBALS, True) == \
+        _outcome(bytes(data), A._PLAIN_GLOBALS, False)
 
 
 def test_gc_paused_restores_the_collector(saved: Path) -> None:

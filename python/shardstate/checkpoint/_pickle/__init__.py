@@ -1,24 +1,31 @@
 """``.metadata`` and bytes items: one writer, one restricted reader.
 
-Writing. ``dumps_metadata`` (``writer``) emits the protocol-4 pickle that
+Writing. ``dumps_metadata`` (``writer``) gives the protocol-4 pickle that
 torch's ``FileSystemWriter`` writes with ``pickle.dump(metadata)``
-(docs/FORMAT.md, section 7), naming torch's classes by their import paths,
-without importing torch's checkpoint package.
+(docs/FORMAT.md, section 7), byte for byte, naming torch's classes by their
+import paths, with or without torch: CPython's C pickler runs on stand-ins
+(``standins``: classes in placeholder modules named with the lengths of
+torch's, renamed in the output).
 
 Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
 the bytes into a graph of inert stand-ins with ``find_class`` limited to an
-allowlist (on CPython's C unpickler for streams the C scan passes, else on
-the pure-Python reference), and ``build`` validates the graph and makes
-shardstate's metadata classes. Nothing outside the allowlist is imported or
-called.
+allowlist (``allowlist``; on CPython's C unpickler for streams the C scan
+passes, else on the pure-Python reference), and ``build`` validates the
+graph and makes shardstate's metadata classes. Nothing outside the
+allowlist is imported or called. ``allow_unsafe=True`` is a plain
+``pickle.loads`` instead, for trusted checkpoints.
 
 Bytes items. ``dumps_object`` / ``loads_object`` (``objects``): the record
 ``torch.save`` writes for a DCP bytes item, and its restricted read.
 
-Errors: ``UnsafePickleError`` names a global or a call outside the
-allowlist; ``PickleFormatError`` is anything else wrong with the bytes. Both
-subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``; no
-other exception escapes ``loads_*`` for any input.
+Errors (``errors``): ``UnsafePickleError`` names a global or a call outside
+the allowlist; ``PickleFormatError`` is anything else wrong with the bytes.
+Both subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``;
+no other exception escapes the restricted ``loads_*`` for any input.
+
+Imports, without cycles: writer -> standins -> names; allowlist -> names,
+errors; unpickler -> errors; build -> allowlist, errors; objects -> build,
+unpickler, allowlist.
 
 Invariants: no torch import anywhere in this package (torch objects are
 built only when torch is already in ``sys.modules``). Functions are
@@ -31,9 +38,11 @@ import pickle
 
 from ..._util import gc_paused
 from ..metadata import Metadata
+from .allowlist import _METADATA_GLOBALS, _PROXIES
 from .build import _build, from_unpickled
+from .errors import PickleFormatError, UnsafePickleError
 from .objects import dumps_object, loads_object
-from .unpickler import _METADATA_GLOBALS, _PROXIES, PickleFormatError, UnsafePickleError, _unpickle
+from .unpickler import _unpickle
 from .writer import dumps_metadata
 
 __all__ = [

@@ -37,10 +37,8 @@ from ..metadata import (
     TorchName,
     _StorageInfo,
 )
-from .unpickler import (
+from .allowlist import (
     _PROXIES,
-    PickleFormatError,
-    UnsafePickleError,
     _EnumVal,
     _NdVal,
     _NpDtype,
@@ -50,6 +48,7 @@ from .unpickler import (
     _SizeVal,
     _TorchObj,
 )
+from .errors import PickleFormatError, UnsafePickleError
 
 _MAX_DEPTH = 100
 

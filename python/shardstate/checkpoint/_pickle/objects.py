@@ -16,8 +16,10 @@ from typing import Any
 
 from ..._util import loaded_torch
 from .. import _zipfmt
+from .allowlist import _PLAIN_GLOBALS
 from .build import _build
-from .unpickler import _PLAIN_GLOBALS, PickleFormatError, UnsafePickleError, _unpickle
+from .errors import PickleFormatError, UnsafePickleError
+from .unpickler import _unpickle
 
 
 class _StorageFound(Exception):
