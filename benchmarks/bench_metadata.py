@@ -7,16 +7,20 @@ shard). For each size, one Metadata of 2-D tensors split in 64 row chunks
 (its storage_data included) is written and read, side by side in one run:
 
   write   torch DCP: pickle.dumps of torch's classes; shardstate:
-          _pickle.dumps_metadata (the same bytes; with torch loaded, as
-          here, the C pickler on stand-in classes)
+          _pickle.dumps_metadata (the same bytes: the C pickler on stand-in
+          classes, here with torch loaded)
+  write, generic
+          the same through the writer's generic conversion (what serves
+          graphs the fast conversion hands over)
   write, torch-free
-          the same against _pickle._dumps_reference, the opcode writer that
-          serves when torch is not loaded
+          dumps_metadata in a child process where torch cannot be imported
+          (sizes as tuples, dtypes as TorchName: a NumPy-only save); its
+          bytes are checked equal to torch's
   read    torch DCP: pickle.loads (unrestricted: it runs any code the file
           names); shardstate: _pickle.loads_metadata (allowlist, checked)
 
 and prints medians and the ratio torch / shardstate (> 1: shardstate is
-faster). Runs in one process on the CPU; torch must be installed.
+faster). Runs on the CPU; torch must be installed.
 """
 
 from __future__ import annotations
@@ -25,29 +29,34 @@ import argparse
 import os
 import pickle
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import torch  # noqa: E402
-from shardstate.checkpoint import _pickle  # noqa: E402
-from shardstate.checkpoint import metadata as smd  # noqa: E402
+PYTHON = os.path.join(HERE, "..", "python")
+sys.path.insert(0, PYTHON)
 
 
-def _metadata(chunks: int) -> smd.Metadata:
+def _metadata(chunks: int, torch: Any = None) -> Any:
+    """The benchmark's Metadata: torch's sizes and dtypes when ``torch`` is
+    given, else tuples and TorchName (as a torch-free save holds them)."""
+    from shardstate.checkpoint import metadata as smd
+
+    size = torch.Size if torch is not None else tuple
+    dtype = torch.float32 if torch is not None else smd.TorchName("torch.float32")
     per = 64
     sdm, storage = {}, {}
     for i in range(max(1, chunks // per)):
         fqn = f"layers.{i}.weight"
-        cs = [smd.ChunkStorageMetadata(offsets=torch.Size([c * 64, 0]),
-                                       sizes=torch.Size([64, 4096])) for c in range(per)]
-        sdm[fqn] = smd.TensorStorageMetadata(
-            properties=smd.TensorProperties(dtype=torch.float32),
-            size=torch.Size([64 * per, 4096]), chunks=cs)
+        cs = [smd.ChunkStorageMetadata(offsets=size([c * 64, 0]), sizes=size([64, 4096]))
+              for c in range(per)]
+        sdm[fqn] = smd.TensorStorageMetadata(properties=smd.TensorProperties(dtype=dtype),
+                                             size=size([64 * per, 4096]), chunks=cs)
         for c in range(per):
-            storage[smd.MetadataIndex(fqn, torch.Size([c * 64, 0]))] = smd._StorageInfo(
+            storage[smd.MetadataIndex(fqn, size([c * 64, 0]))] = smd._StorageInfo(
                 f"__{c}_0.distcp", i * 33_554_688, 33_554_688)
     return smd.Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
 
@@ -61,28 +70,63 @@ def _median(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _torch_free_child(chunks: int, repeat: int, out: str) -> int:
+    """Runs in the child: torch blocked, times dumps_metadata, writes its bytes."""
+    sys.modules["torch"] = None  # type: ignore[assignment]  # any import of torch now fails
+    from shardstate.checkpoint import _pickle
+
+    md = _metadata(chunks)
+    t = _median(lambda: _pickle.dumps_metadata(md), repeat)
+    with open(out, "wb") as f:
+        f.write(_pickle.dumps_metadata(md))
+    print(t)
+    return 0
+
+
+def _torch_free(chunks: int, repeat: int) -> tuple[float, bytes]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "metadata")
+        r = subprocess.run([sys.executable, __file__, "--torch-free-child", out,
+                            "--chunks", str(chunks), "--repeat", str(repeat)],
+                           capture_output=True, text=True, check=True)
+        with open(out, "rb") as f:
+            return float(r.stdout.split()[-1]), f.read()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, nargs="+", default=[19_200, 192_000])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--torch-free-child", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_free_child:
+        return _torch_free_child(args.chunks[0], args.repeat, args.torch_free_child)
+
+    import torch
+    from shardstate.checkpoint import _pickle
+    from shardstate.checkpoint._pickle import writer as _writer
+
     print(f"{'chunks':>8} {'MB':>6} {'op':<18}{'torch s':>10}{'shardstate s':>14}{'ratio':>8}")
     for n in args.chunks:
-        ours = _metadata(n)
+        ours = _metadata(n, torch)
         theirs = ours  # with torch installed, the metadata classes are torch's own
         data = _pickle.dumps_metadata(ours)
-        if _pickle._dumps_fast(ours) != data or _pickle._dumps_reference(ours) != data:
-            raise AssertionError("the two writers disagree")
+        if pickle.dumps(theirs) != data or _writer._dumps(ours, True) != data:
+            raise AssertionError("the writer's conversions disagree with torch's pickle")
         if pickle.loads(data) != theirs:
             raise AssertionError("torch does not read back what shardstate wrote")
         back = _pickle.loads_metadata(data)
         if len(back.storage_data) != len(theirs.storage_data):
             raise AssertionError("shardstate's reader lost entries")
+        free_s, free_data = _torch_free(n, args.repeat)
+        if free_data != data:
+            raise AssertionError("the torch-free write differs from torch's pickle")
+        torch_write = _median(lambda: pickle.dumps(theirs), args.repeat)
         rows = [
-            ("write", _median(lambda: pickle.dumps(theirs), args.repeat),
-             _median(lambda: _pickle.dumps_metadata(ours), args.repeat)),
-            ("write, torch-free", _median(lambda: pickle.dumps(theirs), args.repeat),
-             _median(lambda: _pickle._dumps_reference(ours), args.repeat)),
+            ("write", torch_write, _median(lambda: _pickle.dumps_metadata(ours), args.repeat)),
+            ("write, generic", torch_write,
+             _median(lambda: _writer._dumps(ours, True), args.repeat)),
+            ("write, torch-free", torch_write, free_s),
             ("read", _median(lambda: pickle.loads(data), args.repeat),
              _median(lambda: _pickle.loads_metadata(data), args.repeat)),
         ]

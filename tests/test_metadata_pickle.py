@@ -8,6 +8,7 @@ files into our classes and refuse anything that would run code.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import os
 import pathlib
@@ -28,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardstate._util import gc_paused
-from shardstate.checkpoint import _pickle as P
 from shardstate.checkpoint import _torchfree as tfree
+from shardstate.checkpoint import _zipfmt
 from shardstate.checkpoint import metadata as smd
 from shardstate.checkpoint._pickle import (
     PickleFormatError,
@@ -39,6 +40,12 @@ from shardstate.checkpoint._pickle import (
     loads_metadata,
     loads_object,
 )
+from shardstate.checkpoint._pickle import allowlist as A
+from shardstate.checkpoint._pickle import build as B
+from shardstate.checkpoint._pickle import names as N
+from shardstate.checkpoint._pickle import standins as S
+from shardstate.checkpoint._pickle import unpickler as U
+from shardstate.checkpoint._pickle import writer as W
 from shardstate.checkpoint.metadata import TorchName
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as tmd
@@ -64,7 +71,7 @@ def norm(x: Any) -> Any:
     if isinstance(x, smd._MEM_FORMAT_ENCODING | tmd._MEM_FORMAT_ENCODING):
         return ("enc", x.value)
     name = type(x).__name__
-    if name in P._OBJECT_SAVERS:
+    if name in W._OURS:
         fields = ("fqn", "offset", "index") if name == "MetadataIndex" else tuple(
             f for f in type(x).__dataclass_fields__
         )
@@ -177,13 +184,18 @@ PLAIN = [
 ]
 
 
+def _plain_matches_c_pickler(value: Any) -> None:
+    """A plain value, as the whole pickle and as planner data of a torch
+    Metadata: the writer gives the C pickler's bytes."""
+    assert dumps_metadata(value) == pickle.dumps(value, protocol=4)
+    tm = torch_metadata(False)
+    tm.planner_data = value
+    assert dumps_metadata(tm) == pickle.dumps(tm)
+
+
 @pytest.mark.parametrize("value", PLAIN, ids=range(len(PLAIN)))
 def test_writer_matches_c_pickler_on_plain_values(value: Any) -> None:
-    w = P._Writer()
-    w.save(value)
-    w.w(b".")
-    w.commit()
-    assert bytes(w.buf) == pickle.dumps(value, protocol=4)
+    _plain_matches_c_pickler(value)
 
 
 _text = st.sampled_from([sys.intern(s) for s in ("a", "bb", "fqn", "layer.0.weight", "é")])
@@ -198,11 +210,7 @@ _plain = st.recursive(
 @settings(max_examples=150, deadline=None)
 @given(_plain)
 def test_writer_matches_c_pickler_fuzz(value: Any) -> None:
-    w = P._Writer()
-    w.save(value)
-    w.w(b".")
-    w.commit()
-    assert bytes(w.buf) == pickle.dumps(value, protocol=4)
+    _plain_matches_c_pickler(value)
 
 
 @pytest.mark.parametrize("with_path", [True, False])
@@ -245,26 +253,32 @@ def test_dtype_and_layout_allowlists_cover_torch() -> None:
     for name in dir(torch):
         obj = getattr(torch, name)
         if isinstance(obj, torch.dtype):
-            assert obj.__reduce__() in P._DTYPE_NAMES, name
+            assert obj.__reduce__() in N._DTYPE_NAMES, name
         if isinstance(obj, torch.layout):
-            assert str(obj) in P._LAYOUT_NAMES, name
+            assert str(obj) in N._LAYOUT_NAMES, name
 
 
 # --------------------------------------------------------------------------
-# The writer's fast path: the C pickler on stand-in classes
+# The writer: the fast and the generic conversion to stand-ins
 # --------------------------------------------------------------------------
 
 
-def test_stand_in_modules_have_torch_lengths() -> None:
-    from shardstate.checkpoint import _torch_filesystem, _torch_metadata
+def test_placeholder_modules_have_torch_lengths() -> None:
+    import importlib
 
-    assert len(_torch_metadata.__name__) == len(P._MD_MOD)
-    assert len(_torch_filesystem.__name__) == len(P._FS_MOD)
-    for name in P._OURS:
-        if name != "_StorageInfo":
-            assert getattr(_torch_metadata, name).__qualname__ == getattr(tmd, name).__qualname__
-    assert [e.value for e in _torch_metadata._MEM_FORMAT_ENCODING] == [
-        e.value for e in tmd._MEM_FORMAT_ENCODING]
+    ph = next(S._placeholder_sets())
+    reals = {"md": N._MD_MOD, "fs": N._FS_MOD, "dtype": "torch", "size": "torch",
+             "layout": "torch.serialization", "memfmt": "torch._utils"}
+    assert ph.ops.keys() == reals.keys()
+    for tag, (placeholder, real) in ph.ops.items():
+        assert real == S._op(reals[tag]) and len(placeholder) == len(real), tag
+        assert placeholder[2:-1].decode() in sys.modules, tag
+    for name, cls in ph.classes.items():
+        theirs = getattr(importlib.import_module(N._torch_module(name)), name)
+        assert cls.__qualname__ == theirs.__qualname__
+        assert S._op(cls.__module__) == ph.ops["fs" if name == "_StorageInfo" else "md"][0]
+    assert [e.value for e in ph.encodings] == [e.value for e in tmd._MEM_FORMAT_ENCODING]
+    assert [e.name for e in ph.encodings] == [e.name for e in tmd._MEM_FORMAT_ENCODING]
 
 
 @pytest.mark.parametrize("with_path", [True, False])
@@ -272,18 +286,20 @@ def test_fast_writer_gives_pickle_dumps(with_path: bool) -> None:
     tm = torch_metadata(with_path)
     ref = pickle.dumps(tm)
     ours = loads_metadata(ref)
-    assert P._dumps_fast(tm) == ref
-    assert P._dumps_fast(ours) == ref
-    assert P._dumps_reference(ours) == ref
+    assert W._dumps(tm, False) == ref
+    assert W._dumps(ours, False) == ref
+    assert W._dumps(ours, True) == ref
+    assert W._dumps(tm, True) == ref
+
+
+def _refuse_generic(self: Any, v: Any) -> Any:
+    raise AssertionError("the generic conversion ran")
 
 
 def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shardstate.checkpoint as ss
 
-    def refuse(md: Any) -> bytes:
-        raise AssertionError("the reference writer ran")
-
-    monkeypatch.setattr(P, "_dumps_reference", refuse)
+    monkeypatch.setattr(W._Convert, "value", _refuse_generic)
     sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7, "cfg": {"lr": 0.5, "tags": ["a"]}}
     ss.save(sd, checkpoint_id=tmp_path)
     out = {"w": torch.zeros(3, 4), "step": 0, "cfg": {"lr": 0.0, "tags": []}}
@@ -293,15 +309,12 @@ def test_fast_writer_serves_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert torch.equal(out["w"], sd["w"]) and out["step"] == 7 and out["cfg"] == sd["cfg"]
 
 
-def _save_without_reference(rank: int, world: int, path: str) -> None:
+def _save_without_generic(rank: int, world: int, path: str) -> None:
     import numpy as np
     import shardstate.checkpoint as ss
     from test_checkpoint_e2e import _dist_sd
 
-    def refuse(md: Any) -> bytes:
-        raise AssertionError("the reference writer ran")
-
-    P._dumps_reference = refuse  # this process only
+    W._Convert.value = _refuse_generic  # this process only
     sd = _dist_sd(world, rank, 1, False)  # DTensors, a ShardedTensor, plain tensors, bytes
     sd["arr"] = np.arange(6, dtype=np.float16).reshape(2, 3)
     ss.save(sd, checkpoint_id=path)
@@ -310,74 +323,97 @@ def _save_without_reference(rank: int, world: int, path: str) -> None:
 def test_fast_writer_serves_distributed_saves(tmp_path: Path) -> None:
     from shardstate.testing import run_distributed
 
-    run_distributed(_save_without_reference, 2, str(tmp_path))
+    run_distributed(_save_without_generic, 2, str(tmp_path))
     raw = (tmp_path / ".metadata").read_bytes()
     back = pickle.loads(raw)  # torch's own classes, as torch's reader sees them
     assert type(back) is tmd.Metadata and len(back.state_dict_metadata) > 5
     assert {type(e) for e in back.state_dict_metadata.values()} == {
         tmd.TensorStorageMetadata, tmd.BytesStorageMetadata}
-    assert P._dumps_reference(loads_metadata(raw)) == raw
+    assert W._dumps(loads_metadata(raw), True) == raw
 
 
-def _declined(md: Any) -> bytes:
-    """md's bytes, checking the fast path declines and the reference answers."""
-    assert P._dumps_fast(md) is None
+def _served(md: Any) -> bytes:
+    """md's bytes, checking the fast conversion serves it and the generic agrees."""
     data = dumps_metadata(md)
-    assert data == P._dumps_reference(md)
+    assert W._dumps(md, False) == data == W._dumps(md, True)
     return data
 
 
-def test_fast_writer_declines_what_it_cannot_promise() -> None:
+def _declined(md: Any) -> bytes:
+    """md's bytes, checking the fast conversion hands it to the generic one."""
+    assert W._dumps(md, False) is None
+    data = dumps_metadata(md)
+    assert data == W._dumps(md, True)
+    return data
+
+
+def test_fast_writer_serves_stand_ins_and_cycles() -> None:
     tm = torch_metadata()
-    # stand-ins for torch objects: the reference writes them as torch's
-    assert _declined(standin_metadata(tm)) == pickle.dumps(tm)
+    # stand-ins for torch objects (tuples, TorchName): written as torch's
+    assert _served(standin_metadata(tm)) == pickle.dumps(tm)
     ours = loads_metadata(pickle.dumps(tm))
     ours.state_dict_metadata["layer.w"].chunks[0].offsets = (0, 0)
-    _declined(ours)
-    # a user string spelling the stand-in module, in a key or planner data
-    for where in ("fqn", "planner"):
-        tm = torch_metadata()
-        name = P._ph_md.__name__
-        if where == "fqn":
-            tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
-        else:
-            tm.planner_data["x"] = (name,)
-        data = _declined(loads_metadata(pickle.dumps(tm)))
-        assert data == pickle.dumps(tm)
-        assert pickle.loads(data) == tm
-    # torch objects where plain values were expected: the reference writes them
-    tm = torch_metadata()
-    tm.planner_data["dt"] = [torch.float16, torch.int8]
-    ours = loads_metadata(pickle.dumps(tm))
-    ours.planner_data["dt"][1] = TorchName("torch.int8")
-    assert _declined(ours) == pickle.dumps(tm)
-    # values outside the allowlist: the reference gives the error
-    ours = loads_metadata(pickle.dumps(torch_metadata()))
-    for odd in (collections.OrderedDict(a=1), object()):
-        ours.planner_data["odd"] = odd
-        assert P._dumps_fast(ours) is None
-        with pytest.raises(TypeError, match=type(odd).__qualname__):
-            dumps_metadata(ours)
-    # planner data: a cycle declines; a DAG of 2**40 paths is checked once
-    # per container (walking every path would not end) and served
+    back = pickle.loads(_served(ours))
+    assert type(back.state_dict_metadata["layer.w"].chunks[0].offsets) is torch.Size
+    # planner data: a cycle is the pickler's to write; a DAG of 2**40 paths
+    # is checked once per container (walking every path would not end)
     tm = torch_metadata()
     loop: list[Any] = [1]
     loop.append(loop)
     tm.planner_data["loop"] = loop
-    assert _declined(tm) == pickle.dumps(tm)
+    assert _served(tm) == pickle.dumps(tm)
     tm = torch_metadata()
     dag: Any = ["leaf"]
     for _ in range(40):
         dag = [dag, dag]
     tm.planner_data["dag"] = dag
-    assert P._dumps_fast(tm) == pickle.dumps(tm) == P._dumps_reference(tm)
+    assert _served(tm) == pickle.dumps(tm)
+
+
+def test_data_spelling_a_placeholder_takes_the_next_names() -> None:
+    ph0 = next(S._placeholder_sets())
+    for where in ("fqn", "planner", "bytes"):
+        tm = torch_metadata()
+        name = ph0.ops["md"][0][2:-1].decode()
+        if where == "fqn":
+            tm.state_dict_metadata[name] = tmd.BytesStorageMetadata()
+        elif where == "planner":
+            tm.planner_data["x"] = (name,)
+        else:
+            tm.planner_data["x"] = b"..." + ph0.ops["md"][0] + b"..."
+        data = _served(loads_metadata(pickle.dumps(tm)))
+        assert data == pickle.dumps(tm)
+        assert pickle.loads(data) == tm
+    assert len(S._SETS) >= 2
+
+
+def test_fast_writer_hands_over_what_it_does_not_cover() -> None:
+    # torch objects' stand-ins where plain values were expected
+    tm = torch_metadata()
+    tm.planner_data["dt"] = [torch.float16, torch.int8, torch.strided, torch.channels_last]
+    ours = loads_metadata(pickle.dumps(tm))
+    ours.planner_data["dt"][1] = TorchName("torch.int8")
+    ours.planner_data["dt"][2] = TorchName("torch.strided")
+    assert _declined(ours) == pickle.dumps(tm)
+    # values outside the allowlist: the generic conversion gives the error
+    ours = loads_metadata(pickle.dumps(torch_metadata()))
+    for odd in (collections.OrderedDict(a=1), object()):
+        ours.planner_data["odd"] = odd
+        assert W._dumps(ours, False) is None
+        with pytest.raises(TypeError, match=type(odd).__qualname__):
+            dumps_metadata(ours)
     # an empty chunk list also passed on in planner data: sharing the fast
-    # path cannot rebuild, so it declines
+    # conversion does not rebuild
     tm = torch_metadata()
     shared: list[Any] = []
     tm.state_dict_metadata["z"] = tmd.TensorStorageMetadata(
         tmd.TensorProperties(torch.float32), torch.Size([0]), shared)
     tm.planner_data["z"] = shared
+    assert _declined(tm) == pickle.dumps(tm)
+    # metadata objects among plain values
+    tm = torch_metadata()
+    tm.planner_data["props"] = tm.state_dict_metadata["emb"].properties
+    tm.planner_data["idx"] = [tmd.MetadataIndex("x", [1, 2])]
     assert _declined(tm) == pickle.dumps(tm)
 
 
@@ -450,9 +486,10 @@ def test_fast_writer_matches_reference_and_torch_fuzz(
     theirs = _twin_metadata("torch", plan, objs)
     ours = _twin_metadata("ours", plan, objs)
     ref = pickle.dumps(theirs)
-    assert P._dumps_fast(theirs) == ref
-    assert P._dumps_reference(ours) == ref
-    assert P._dumps_fast(ours) == ref
+    assert W._dumps(theirs, False) == ref
+    assert W._dumps(theirs, True) == ref
+    assert W._dumps(ours, True) == ref
+    assert W._dumps(ours, False) == ref
 
 
 # --------------------------------------------------------------------------
@@ -555,6 +592,43 @@ def test_allow_unsafe_reads_plainly() -> None:
     assert loads_object(rec, allow_unsafe=True) == collections.Counter("aab")
 
 
+@dataclasses.dataclass
+class UserPlannerData:
+    """A class of the user's own, outside the allowlist (importable, so a
+    plain unpickle finds it)."""
+
+    name: str
+    n: int
+
+
+def test_unsafe_unpickle_reads_any_class(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstate.checkpoint as ss
+
+    sd = {"w": torch.randn(2, 3), "step": 5}
+    dcp_save(sd, tmp_path)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    md.planner_data["user"] = UserPlannerData("x", 1)
+    raw = pickle.dumps(md)
+    (tmp_path / ".metadata").write_bytes(raw)
+    # refused by default, naming the class and the opt-in
+    refused = r"test_metadata_pickle\.UserPlannerData.*unsafe_unpickle=True"
+    with pytest.raises(ss.StorageFormatError, match=refused):
+        ss.FileSystemReader(tmp_path).read_metadata()
+    with pytest.raises(UnsafePickleError, match=refused):
+        loads_metadata(raw)
+    # the opt-in: a plain unpickle, used as it is (the writer is not involved)
+    monkeypatch.setattr(W, "_dumps", lambda *a, **k: pytest.fail("the writer ran"))
+    ours = loads_metadata(raw, allow_unsafe=True)
+    assert type(ours) is smd.Metadata and ours.planner_data["user"] == UserPlannerData("x", 1)
+    assert norm(ours) == norm(md)
+    got = ss.FileSystemReader(tmp_path, unsafe_unpickle=True).read_metadata()
+    assert got.planner_data["user"] == UserPlannerData("x", 1)
+    out = {"w": torch.zeros(2, 3), "step": 0}
+    ss.load(out, storage_reader=ss.FileSystemReader(tmp_path, unsafe_unpickle=True))
+    assert torch.equal(out["w"], sd["w"]) and out["step"] == 5
+
+
 def test_old_format_metadata() -> None:
     tm = torch_metadata(False)
     del tm.__dict__["storage_meta"], tm.__dict__["version"]
@@ -568,6 +642,64 @@ def test_old_format_metadata() -> None:
     assert next(iter(ours.storage_data)).offset is None
 
 
+def _legacy_metadata(path: Path) -> tuple[tmd.Metadata, bytes]:
+    """The checkpoint's torch Metadata, and the same with every
+    TensorProperties made torch's legacy class (what older torch wrote)."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+
+    current = pickle.loads((path / ".metadata").read_bytes())
+    legacy = pickle.loads((path / ".metadata").read_bytes())
+    for e in legacy.state_dict_metadata.values():
+        if isinstance(e, tmd.TensorStorageMetadata):
+            p = e.properties
+            e.properties = Legacy(p.dtype, p.layout, p.requires_grad, p.memory_format,
+                                  p.pin_memory)
+    raw = pickle.dumps(legacy)
+    assert raw.count(b"torch.distributed._shard.sharded_tensor.metadata") == 1
+    assert b"MEM_FORMAT_ENCODING" in raw and b"TensorProperties" in raw
+    return current, raw
+
+
+def test_legacy_tensor_properties_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardstate.checkpoint as ss
+
+    sd = {"w": torch.randn(3, 4), "h": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+          "cl": torch.zeros(1, 2, 2, 2).to(memory_format=torch.channels_last), "step": 3}
+    dcp_save(sd, tmp_path)
+    current, raw = _legacy_metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes(raw)
+    # both engines read it as the current class
+    for fast in (True, False):
+        md = B._build("x", U._unpickle(raw, A._METADATA_GLOBALS, "x", fast=fast))
+        for k in ("w", "h", "cl"):
+            p, ref = md.state_dict_metadata[k].properties, current.state_dict_metadata[k].properties
+            assert type(p) is smd.TensorProperties
+            assert (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory) == (
+                ref.dtype, ref.layout, ref.requires_grad, ref.memory_format, ref.pin_memory)
+    assert norm(loads_metadata(raw)) == norm(current)
+    # ... and the C unpickler serves it (no fallback to the reference)
+    with monkeypatch.context() as m:
+        m.setattr(U._RestrictedUnpickler, "load", lambda self: pytest.fail("reference ran"))
+        assert norm(loads_metadata(raw)) == norm(current)
+    # written back as torch's current class
+    assert dumps_metadata(pickle.loads(raw)) == pickle.dumps(current)
+    # shardstate's reader and load, and torch's, read the file alike
+    ours = ss.FileSystemReader(tmp_path).read_metadata()
+    theirs = FileSystemReader(str(tmp_path)).read_metadata()
+    assert type(ours.state_dict_metadata["w"].properties) is tmd.TensorProperties
+    assert type(theirs.state_dict_metadata["w"].properties).__module__ == (
+        "torch.distributed._shard.sharded_tensor.metadata")
+    ours.storage_meta.load_id = theirs.storage_meta.load_id = None
+    assert norm(ours) == norm(theirs)
+    for load in (ss.load, dcp.load):
+        out = {"w": torch.zeros(3, 4), "h": torch.zeros(2, 3, dtype=torch.float16),
+               "cl": torch.ones(1, 2, 2, 2), "step": 0}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+            load(out, checkpoint_id=str(tmp_path))
+        assert all(torch.equal(out[k], sd[k]) for k in ("w", "h", "cl")) and out["step"] == 3
+
+
 # --------------------------------------------------------------------------
 # Without torch
 # --------------------------------------------------------------------------
@@ -576,6 +708,11 @@ def test_old_format_metadata() -> None:
 def test_torch_free_round_trip(tmp_path: Path) -> None:
     tm = torch_metadata(False)
     (tmp_path / "expected").write_bytes(pickle.dumps(tm))
+    # every kind of placeholder, among plain values (the generic conversion),
+    # and a string that spells the one for "torch"
+    tm.planner_data["objs"] = [torch.float16, torch.strided, torch.channels_last, torch.int8,
+                               "_ss00", (torch.sparse_coo,)]
+    (tmp_path / "expected_objs").write_bytes(pickle.dumps(tm))
     dcp_save({"w": torch.ones(2), "step": 3, "cfg": {"a": [1, "x"]}}, tmp_path / "ck")
     script = textwrap.dedent(
         """
@@ -592,6 +729,14 @@ def test_torch_free_round_trip(tmp_path: Path) -> None:
         assert md.state_dict_metadata["emb"].properties.memory_format == "torch.channels_last"
         assert type(md.state_dict_metadata["layer.w"].size) is tuple
         assert dumps_metadata(md) == expected
+        from shardstate.checkpoint._pickle import standins as S, writer as W
+        assert len(S._SETS) == 1
+        expected = (tmp / "expected_objs").read_bytes()
+        md = loads_metadata(expected)
+        assert md.planner_data["objs"][:3] == ["torch.float16", "torch.strided",
+                                              "torch.channels_last"]
+        assert dumps_metadata(md) == expected
+        assert W._dumps(md, False) is None and len(S._SETS) == 2
         ck = loads_metadata((tmp / "ck" / ".metadata").read_bytes())
         assert ck.state_dict_metadata["w"].size == (2,)
         got = {}
@@ -631,7 +776,7 @@ def _canary_cmd(canary: Path) -> str:
 def _evil(canary: Path) -> list[tuple[bytes, str]]:
     code = _canary_cmd(canary)
     shell = f"touch {canary}"
-    md_new = _g(P._MD_MOD, "Metadata") + b")\x81"
+    md_new = _g(N._MD_MOD, "Metadata") + b")\x81"
     return [
         (b"\x80\x02" + _g("os", "system") + _s(shell) + b"\x85R.", "os.system"),
         (b"\x80\x02" + _g("posix", "system") + _s(shell) + b"\x85R.", "posix.system"),
@@ -651,24 +796,24 @@ def _evil(canary: Path) -> list[tuple[bytes, str]]:
          "builtins.bytes"),
         (b"\x80\x02" + _g("torch.serialization", "_get_layout") + _s("os.system") + b"\x85R.",
          "_get_layout"),
-        (b"\x80\x02" + _g(P._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x07\x85R.",
+        (b"\x80\x02" + _g(N._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x07\x85R.",
          "_MEM_FORMAT_ENCODING"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + _s(code) + b"\x85R.", "Metadata"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + _s(code) + b"\x85\x81.", "Metadata"),
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + _s(code) + b"\x85R.", "Metadata"),
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + _s(code) + b"\x85\x81.", "Metadata"),
         # BUILD on shared (allowlisted) objects
         (b"\x80\x02" + _g("torch", "Size") + b"N}" + _s("fn") + _g("os", "system") + b"s\x86b.",
          "os.system"),
         (b"\x80\x02" + _g("torch", "Size") + b"}" + _s("fn") + b"Ns" + b"b.", "torch.Size"),
         (b"\x80\x02" + _g("torch", "float32") + b"N}" + _s("name") + _s("x") + b"s\x86b.",
          "torch.float32"),
-        (b"\x80\x02" + _g(P._MD_MOD, "Metadata") + b"}b.", "metadata class"),
-        (b"\x80\x02" + _g(P._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}b.",
+        (b"\x80\x02" + _g(N._MD_MOD, "Metadata") + b"}b.", "metadata class"),
+        (b"\x80\x02" + _g(N._MD_MOD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}b.",
          "_MEM_FORMAT_ENCODING"),
         (b"\x80\x02" + md_new + b"}b}b.", "twice"),
         # other ways to reach code
         (b"(" + b"i" + b"os\nsystem\n" + b".", "os.system"),  # protocol 0 INST
         (b"\x80\x02(" + _g("builtins", "exec") + _s(code) + b"o.", "builtins.exec"),  # OBJ
-        (b"\x80\x04" + _g(P._MD_MOD, "Metadata") + b")}" + _s("a") + b"K\x01s\x92.",
+        (b"\x80\x04" + _g(N._MD_MOD, "Metadata") + b")}" + _s("a") + b"K\x01s\x92.",
          "Metadata"),  # NEWOBJ_EX with keyword arguments
         (b"\x80\x02" + _g("copyreg", "_reconstructor") + b".", "copyreg._reconstructor"),
         (b"\x80\x02\x82\x01.", "extension"),
@@ -686,7 +831,7 @@ def test_malicious_pickles_are_refused(tmp_path: Path) -> None:
         with pytest.raises(UnsafePickleError, match=name.replace(".", r"\.")):
             loads_metadata(data)
         with pytest.raises(UnsafePickleError):  # the bytes-item allowlist is narrower
-            P._Builder("x").value(P._unpickle(data, P._PLAIN_GLOBALS, "bytes item"))
+            B._Builder("x").value(U._unpickle(data, A._PLAIN_GLOBALS, "bytes item"))
         assert not canary.exists(), name
     rec = dumps_object(1)
     evil_rec = rec.replace(b"\x80\x02K\x01.", b"\x80\x02" + _g("os", "system") + b"N\x85R.")
@@ -726,18 +871,18 @@ def test_forged_lengths_do_not_allocate() -> None:
             shardstate._core.pickle_scan(data)
         for fast in (True, False):
             with pytest.raises(PickleFormatError, match="BYTEARRAY8"):
-                P._unpickle(data, P._PLAIN_GLOBALS, "x", fast=fast)
+                U._unpickle(data, A._PLAIN_GLOBALS, "x", fast=fast)
         with pytest.raises(PickleFormatError):
-            loads_object(P._zipfmt.bytes_record(data))
+            loads_object(_zipfmt.bytes_record(data))
     # a well-formed one still reads
     ok = pickle.dumps(bytearray(b"abc"), protocol=5)
-    assert P._unpickle(ok, P._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
+    assert U._unpickle(ok, A._PLAIN_GLOBALS, "x", fast=False) == bytearray(b"abc")
     assert time.perf_counter() - t < 1
 
 
 def test_structure_is_validated() -> None:
     def md_with(state: bytes) -> bytes:
-        return b"\x80\x02" + _g(P._MD_MOD, "Metadata") + b")\x81" + state + b"b."
+        return b"\x80\x02" + _g(N._MD_MOD, "Metadata") + b")\x81" + state + b"b."
 
     bad = [
         (md_with(b"}"), "no 'state_dict_metadata'"),
@@ -752,12 +897,12 @@ def test_structure_is_validated() -> None:
         with pytest.raises(PickleFormatError, match=msg):
             loads_metadata(data)
     with pytest.raises(PickleFormatError, match="contains itself"):
-        P._Builder("x").value(P._unpickle(b"\x80\x02]q\x00h\x00a.", {}, "x"))
+        B._Builder("x").value(U._unpickle(b"\x80\x02]q\x00h\x00a.", {}, "x"))
     deep = b"\x80\x02" + b"]" * 300 + b"a" * 299 + b"."
     with pytest.raises(PickleFormatError, match="deeper"):
-        loads_object(P._zipfmt.bytes_record(deep))
+        loads_object(_zipfmt.bytes_record(deep))
     # Metadata nested in planner_data, 5000 deep: refused, no RecursionError
-    level = (_g(P._MD_MOD, "Metadata") + b")\x81}" + _s("state_dict_metadata") + b"}s"
+    level = (_g(N._MD_MOD, "Metadata") + b")\x81}" + _s("state_dict_metadata") + b"}s"
              + _s("planner_data"))
     with pytest.raises(PickleFormatError, match="deeper"):
         loads_metadata(b"\x80\x02" + level * 5000 + b"N" + b"sb" * 5000 + b".")
@@ -783,7 +928,7 @@ def _outcome(data: bytes, allowed: dict, fast: bool) -> tuple:
     two engines: the built graph pickled (equal values and equal sharing
     give equal bytes), or the error's type and message."""
     try:
-        built = P._build("x", P._unpickle(data, allowed, "x", fast=fast))
+        built = B._build("x", U._unpickle(data, allowed, "x", fast=fast))
     except (UnsafePickleError, PickleFormatError) as e:  # reprs' addresses differ per run
         return ("error", type(e).__name__, re.sub(r" at 0x[0-9a-f]+", "", str(e)))
     return ("value", pickle.dumps(built, protocol=5))
@@ -800,8 +945,8 @@ def test_fuzz_mutated_metadata(edits: list[tuple[int, int]], cut: int) -> None:
         data[pos] = byte
     for blob in (bytes(data), bytes(data[:cut]) + bytes(data[cut + 1:])):
         # the C fast path and the pure-Python reference agree (value or error)
-        assert _outcome(blob, P._METADATA_GLOBALS, True) == \
-            _outcome(blob, P._METADATA_GLOBALS, False)
+        assert _outcome(blob, A._METADATA_GLOBALS, True) == \
+            _outcome(blob, A._METADATA_GLOBALS, False)
         try:
             md = loads_metadata(blob)
         except (UnsafePickleError, PickleFormatError):
@@ -821,7 +966,7 @@ def test_fuzz_mutated_bytes_item(edits: list[tuple[int, int]]) -> None:
     for pos, byte in edits:
         data[pos] = byte
     try:
-        loads_object(P._zipfmt.bytes_record(bytes(data)))
+        loads_object(_zipfmt.bytes_record(bytes(data)))
     except (UnsafePickleError, PickleFormatError):
         pass
 
@@ -852,7 +997,7 @@ def test_numpy_bytes_items() -> None:
         loads_object(buf.getvalue())
     bad = pickle.dumps(np.arange(4, dtype=np.int32), protocol=2).replace(b"i4", b"i8")
     with pytest.raises(PickleFormatError, match="bytes of data"):
-        loads_object(P._zipfmt.bytes_record(bad))
+        loads_object(_zipfmt.bytes_record(bad))
 
 
 # --------------------------------------------------------------------------
@@ -870,8 +1015,8 @@ def test_scan_passes_what_pickle_writes(protocol: int) -> None:
             proto, end = shardstate._core.pickle_scan(data)
             assert (proto, end) == (protocol, len(data))
             assert shardstate._core.pickle_scan(data + b"junk")[1] == len(data)
-        assert _outcome(data, P._PLAIN_GLOBALS, True) == _outcome(data, P._PLAIN_GLOBALS, False)
-        assert _outcome(data, P._PLAIN_GLOBALS, True)[0] == "value"
+        assert _outcome(data, A._PLAIN_GLOBALS, True) == _outcome(data, A._PLAIN_GLOBALS, False)
+        assert _outcome(data, A._PLAIN_GLOBALS, True)[0] == "value"
 
 
 def test_scan_refuses_what_the_c_unpickler_would_mishandle() -> None:
@@ -914,7 +1059,7 @@ def test_c_unpickler_refuses_the_malicious_pickles(tmp_path: Path) -> None:
             continue
         through += 1
         with pytest.raises(UnsafePickleError):
-            P._build("x", P._CRestrictedUnpickler(data, P._METADATA_GLOBALS, proto).load())
+            B._build("x", U._CRestrictedUnpickler(data, A._METADATA_GLOBALS, proto).load())
         assert not canary.exists(), name
     assert through >= 20
 
@@ -927,7 +1072,7 @@ def test_fast_path_serves_real_checkpoints(saved: Path, monkeypatch: pytest.Monk
     def reference_ran(self: Any) -> Any:
         raise AssertionError("the pure-Python unpickler ran")
 
-    monkeypatch.setattr(P._RestrictedUnpickler, "load", reference_ran)
+    monkeypatch.setattr(U._RestrictedUnpickler, "load", reference_ran)
     assert norm(loads_metadata(raw)) == want
     assert loads_object(obj) == BYTES_VALUES
 
@@ -941,8 +1086,8 @@ def test_fuzz_fast_path_equals_reference_objects(protocol: int,
                                   protocol=protocol))
     for pos, byte in edits:
         data[pos % len(data)] = byte
-    assert _outcome(bytes(data), P._PLAIN_GLOBALS, True) == \
-        _outcome(bytes(data), P._PLAIN_GLOBALS, False)
+    assert _outcome(bytes(data), A._PLAIN_GLOBALS, True) == \
+        _outcome(bytes(data), A._PLAIN_GLOBALS, False)
 
 
 def test_gc_paused_restores_the_collector(saved: Path) -> None:

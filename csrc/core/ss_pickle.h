@@ -1,10 +1,10 @@
 /* ss_pickle.h - a bounds-checking scan of a pickle's opcode stream.
  *
- * The restricted unpickler (python/shardstate/checkpoint/_pickle.py) runs
- * CPython's C unpickler, which is about ten times faster than its pure-
- * Python one, only on a stream this scan has passed. The scan proves, before
- * any object is made, the properties the C unpickler does not check and the
- * pure-Python path relies on:
+ * The restricted unpickler (python/shardstate/checkpoint/_pickle/
+ * unpickler.py) runs CPython's C unpickler, which is about ten times faster
+ * than its pure-Python one, only on a stream this scan has passed. The scan
+ * proves, before any object is made, the properties the C unpickler does not
+ * check and the pure-Python path relies on:
  *
  *  - every opcode is one of protocols 0-5 outside this refused set:
  *    PERSID, BINPERSID (persistent ids), EXT1, EXT2, EXT4 (the copyreg

@@ -1,6 +1,7 @@
 /* pickle.c - pickle_scan(): the opcode scan of ss_pickle.h, for the
- * restricted unpickler in shardstate/checkpoint/_pickle.py. The data is
- * read through the buffer protocol; the GIL is released for large ones. */
+ * restricted unpickler in shardstate/checkpoint/_pickle/unpickler.py. The
+ * data is read through the buffer protocol; the GIL is released for large
+ * ones. */
 #include "module.h"
 #include "ss_pickle.h"
 

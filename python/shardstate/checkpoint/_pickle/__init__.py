@@ -1,0 +1,87 @@
+"""``.metadata`` and bytes items: one writer, one restricted reader.
+
+Writing. ``dumps_metadata`` (``writer``) gives the protocol-4 pickle that
+torch's ``FileSystemWriter`` writes with ``pickle.dump(metadata)``
+(docs/FORMAT.md, section 7), byte for byte, naming torch's classes by their
+import paths, with or without torch: CPython's C pickler runs on stand-ins
+(``standins``: classes in placeholder modules named with the lengths of
+torch's, renamed in the output).
+
+Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
+the bytes into a graph of inert stand-ins with ``find_class`` limited to an
+allowlist (``allowlist``; on CPython's C unpickler for streams the C scan
+passes, else on the pure-Python reference), and ``build`` validates the
+graph and makes shardstate's metadata classes. Nothing outside the
+allowlist is imported or called. ``allow_unsafe=True`` is a plain
+``pickle.loads`` instead, for trusted checkpoints.
+
+Bytes items. ``dumps_object`` / ``loads_object`` (``objects``): the record
+``torch.save`` writes for a DCP bytes item, and its restricted read.
+
+Errors (``errors``): ``UnsafePickleError`` names a global or a call outside
+the allowlist; ``PickleFormatError`` is anything else wrong with the bytes.
+Both subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``;
+no other exception escapes the restricted ``loads_*`` for any input.
+
+Imports, without cycles: writer -> standins -> names; allowlist -> names,
+errors; unpickler -> errors; build -> allowlist, errors; objects -> build,
+unpickler, allowlist.
+
+Invariants: no torch import anywhere in this package (torch objects are
+built only when torch is already in ``sys.modules``). Functions are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from ..._util import gc_paused
+from ..metadata import Metadata
+from .allowlist import _METADATA_GLOBALS, _PROXIES
+from .build import _build, from_unpickled
+from .errors import PickleFormatError, UnsafePickleError
+from .objects import dumps_object, loads_object
+from .unpickler import _unpickle
+from .writer import dumps_metadata
+
+__all__ = [
+    "PickleFormatError",
+    "UnsafePickleError",
+    "dumps_metadata",
+    "dumps_object",
+    "gc_paused",
+    "loads_metadata",
+    "loads_object",
+]
+
+
+def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
+    """Reads a ``.metadata`` pickle into shardstate's metadata classes.
+
+    Only torch's checkpoint metadata classes, ``_StorageInfo``, ``torch.Size``,
+    dtypes, layouts, memory formats, paths and plain Python values are
+    admitted; anything else raises :class:`UnsafePickleError` naming it (and
+    the trusted opt-in), and nothing it names is imported or called.
+    Metadata written by older torch versions (fewer fields,
+    ``TensorProperties`` as a dict or as the legacy
+    ``torch.distributed._shard.sharded_tensor.metadata.TensorProperties``)
+    is accepted.
+
+    ``allow_unsafe=True`` (``FileSystemReader(path, unsafe_unpickle=True)``)
+    is a plain ``pickle.loads``, which imports and runs whatever the file
+    names: for trusted checkpoints only. Its objects are used as they are;
+    only torch's ``Metadata`` itself is made ours (``build.from_unpickled``).
+    """
+    if allow_unsafe:
+        return from_unpickled(pickle.loads(data))
+    with gc_paused():
+        try:
+            obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+        except UnsafePickleError as e:
+            raise UnsafePickleError(
+                f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
+                "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
+        if type(obj) is not _PROXIES["Metadata"]:
+            raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
+        return _build(".metadata", obj)
