@@ -43,7 +43,7 @@ from __future__ import annotations
 import io
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from ._extension import ExtensionRegistry, StreamTransformExtension
 from ._records import StorageFormatError
@@ -53,6 +53,8 @@ from ._zipfmt import TensorRecordPlan, _assemble
 MAX_BYTES_ITEM = 4 << 30
 # Pieces in which transformed bytes are read back.
 _READ_PIECE = 4 << 20
+# Transformed pieces smaller than this are joined before they are written.
+_JOIN_BELOW = 64 << 10
 
 # The zip structures torch.save writes in one call each: a local file
 # header's fixed part (then its name, then its extra field), and the end
@@ -92,28 +94,62 @@ def record_writes(plan: TensorRecordPlan, data: Any, crc: int) -> Iterator[memor
 
 
 class _Sink(io.RawIOBase):
-    """The stream under the outermost transform: keeps what it is given.
-    Closing it only flushes (as torch's writer leaves the file open), so a
+    """The stream under the outermost transform: keeps the pieces it is
+    given (no copy of a bytes object, which zstd's writer gives). Closing
+    it only flushes (as torch's writer leaves the file open), so a
     transform that closes its output leaves the bytes here."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.out = io.BytesIO()
+        self.pieces: list[bytes] = []
+        self.nbytes = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        return self.out.write(b)
+        # A transform may reuse its buffer after write returns: keep a copy.
+        piece = b if type(b) is bytes else bytes(memoryview(b).cast("B"))
+        if piece:
+            self.pieces.append(piece)
+            self.nbytes += len(piece)
+        return len(piece)
 
     def close(self) -> None:
         self.flush()
 
+    def buffers(self) -> list[bytes]:
+        """The pieces in order, runs of small ones joined (fewer, larger
+        writes for the engine)."""
+        out: list[bytes] = []
+        run: list[bytes] = []
+        for p in self.pieces:
+            if len(p) < _JOIN_BELOW:
+                run.append(p)
+                continue
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(p)
+        if run:
+            out.append(b"".join(run))
+        return out
+
+
+class Encoded(NamedTuple):
+    """An item's stored bytes (``buffers``, back to back: ``nbytes``) and
+    its ``transform_descriptors``."""
+
+    buffers: list[bytes]
+    nbytes: int
+    descriptors: list[str]
+
 
 class WriterTransforms:
-    """A writer's extensions (``FileSystemWriter(_extensions=...)``)."""
+    """A writer's extensions (``FileSystemWriter(_extensions=...)``), and
+    how many items it transforms at once (its ``thread_count``)."""
 
-    def __init__(self, extensions: Sequence[Any]) -> None:
+    def __init__(self, extensions: Sequence[Any], threads: int = 1) -> None:
         for ex in extensions:
             if not (callable(getattr(ex, "transform_to", None))
                     and callable(getattr(ex, "get_descriptor", None))):
@@ -121,8 +157,9 @@ class WriterTransforms:
                     f"FileSystemWriter(_extensions=...) takes StreamTransformExtension "
                     f"instances, got {ex!r}")
         self.extensions = tuple(extensions)
+        self.threads = threads
 
-    def _encode(self, writes: Iterator[Any], flush: bool) -> tuple[memoryview, list[str]]:
+    def _encode(self, writes: Iterator[Any], flush: bool) -> Encoded:
         sink = _Sink()
         stream: IO[bytes] = sink  # type: ignore[assignment]
         for ex in self.extensions:
@@ -132,15 +169,15 @@ class WriterTransforms:
         if flush:
             stream.flush()
         stream.close()
-        return sink.out.getbuffer(), [ex.get_descriptor() for ex in reversed(self.extensions)]
+        return Encoded(sink.buffers(), sink.nbytes,
+                       [ex.get_descriptor() for ex in reversed(self.extensions)])
 
-    def encode_bytes(self, buf: Any) -> tuple[memoryview, list[str]]:
-        """A bytes item's stored bytes and descriptors."""
+    def encode_bytes(self, buf: Any) -> Encoded:
+        """A bytes item's stored bytes: its bytes in one write, then close."""
         return self._encode(iter((buf,)), flush=False)
 
-    def encode_record(self, plan: TensorRecordPlan, data: Any,
-                      crc: int) -> tuple[memoryview, list[str]]:
-        """A tensor record's stored bytes and descriptors."""
+    def encode_record(self, plan: TensorRecordPlan, data: Any, crc: int) -> Encoded:
+        """A tensor record's stored bytes: ``record_writes``, flush, close."""
         return self._encode(record_writes(plan, data, crc), flush=True)
 
 

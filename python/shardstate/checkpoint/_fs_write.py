@@ -21,10 +21,14 @@ or load at a time, as in torch).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import functools
 import io
 import os
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ import numpy as np
 from .. import io as ssio
 from .._core import ShardstateError, crc32
 from .._util import import_torch
-from ._fs_transform import WriterTransforms
+from ._fs_transform import Encoded, WriterTransforms
 from ._records import _record_plan, _Trailer
 from .metadata import _StorageInfo
 from .planner import element_size
@@ -286,27 +290,16 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
                        transforms: WriterTransforms) -> list[WriteResult]:
     """``write_files`` through stream transforms: the files torch's writer
     makes with these extensions (``_fs_transform``). Each item's record is
-    built and transformed in memory (a CUDA tensor copied to the CPU first),
-    and the transformed bytes are written by the engine in batches of about
-    ``_TRANSFORM_BATCH`` bytes."""
+    built and transformed in memory (a CUDA tensor copied to the CPU
+    first), by ``transforms.threads`` threads at once when that is more
+    than one (torch's writer also transforms with ``thread_count``
+    threads), and the transformed bytes are written by the engine, in order,
+    in batches of about ``_TRANSFORM_BATCH`` bytes."""
     jobs: list[ssio.WriteJob] = []
     pending = 0
     results: list[WriteResult] = []
     empty_files: list[str] = []
-    written: dict[str, None] = {}
-
-    def add(path: str, name: str, item: Any, cursor: int,
-            out: tuple[memoryview, list[str]]) -> int:
-        nonlocal pending
-        buf, descriptors = out
-        if buf.nbytes:
-            jobs.append(ssio.WriteJob(path, cursor, buf))
-        written[path] = None
-        results.append(_result(item, name, cursor, buf.nbytes, descriptors))
-        pending += buf.nbytes
-        if pending >= _TRANSFORM_BATCH:
-            flush()
-        return cursor + buf.nbytes
+    cursors: dict[str, int] = {}  # the files written, and where each ends
 
     def flush() -> None:
         nonlocal pending
@@ -315,27 +308,64 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         jobs.clear()
         pending = 0
 
-    for name, items in files:
-        path = os.fspath(root / name)
-        byte_items = [w for w in items if _is_bytes_item(w)]
-        tensor_items = [w for w in items if not _is_bytes_item(w)]
-        if reorder:
-            tensor_items.sort(key=_item_size)
-        if not items:
-            empty_files.append(path)
-        cursor = 0
-        for item in byte_items:
-            data = planner.resolve_data(item)
-            buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-            cursor = add(path, name, item, cursor, transforms.encode_bytes(buf))
-        for item in tensor_items:
-            dtype, shape, stride, numel, data = _record_source(planner.resolve_data(item), item)
-            rec, _trailer = _record_plan(dtype, shape, stride, numel)
-            crc = crc32(data) if rec.data_length else 0
-            cursor = add(path, name, item, cursor, transforms.encode_record(rec, data, crc))
+    def tasks() -> Iterator[tuple[str, str, Any, Callable[[], Encoded]]]:
+        """(path, file name, item, what encodes it), in torch's order; the
+        planner's data is resolved here, in this thread."""
+        for name, items in files:
+            path = os.fspath(root / name)
+            byte_items = [w for w in items if _is_bytes_item(w)]
+            tensor_items = [w for w in items if not _is_bytes_item(w)]
+            if reorder:
+                tensor_items.sort(key=_item_size)
+            if not items:
+                empty_files.append(path)
+            for item in byte_items:
+                data = planner.resolve_data(item)
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                yield path, name, item, functools.partial(transforms.encode_bytes, buf)
+            for item in tensor_items:
+                src = _record_source(planner.resolve_data(item), item)
+                yield path, name, item, functools.partial(_encode_tensor, transforms, src)
+
+    for path, name, item, out in _in_order(tasks(), transforms.threads):
+        cursor = cursors.get(path, 0)
+        for buf in out.buffers:
+            jobs.append(ssio.WriteJob(path, cursor, buf))
+            cursor += len(buf)
+        results.append(_result(item, name, cursors.get(path, 0), out.nbytes, out.descriptors))
+        cursors[path] = cursor
+        pending += out.nbytes
+        if pending >= _TRANSFORM_BATCH:
+            flush()
     flush()
-    _finish_files(list(written), [], [], empty_files, sync_files)
+    _finish_files(list(cursors), [], [], empty_files, sync_files)
     return results
+
+
+def _encode_tensor(transforms: WriterTransforms, src: tuple) -> Encoded:
+    dtype, shape, stride, numel, data = src
+    rec, _trailer = _record_plan(dtype, shape, stride, numel)
+    crc = crc32(data) if rec.data_length else 0
+    return transforms.encode_record(rec, data, crc)
+
+
+def _in_order(tasks: Iterator[tuple], threads: int) -> Iterator[tuple]:
+    """Each task ``(*head, fn)`` as ``(*head, fn())``, in order; with
+    ``threads`` > 1 that many run at once, at most twice as many ahead."""
+    if threads <= 1:
+        for *head, fn in tasks:
+            yield (*head, fn())
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, "shardstate-transform") as pool:
+        window: collections.deque = collections.deque()
+        for *head, fn in tasks:
+            window.append((head, pool.submit(fn)))
+            if len(window) >= 2 * threads:
+                done, fut = window.popleft()
+                yield (*done, fut.result())
+        while window:
+            done, fut = window.popleft()
+            yield (*done, fut.result())
 
 
 def _finish_files(

@@ -164,7 +164,8 @@ class FileSystemWriter(StorageWriter):
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         # None (torch: "the implementation's defaults") and () both mean none.
-        self._transforms = WriterTransforms(_extensions) if _extensions else None
+        self._transforms = (WriterTransforms(_extensions, thread_count) if _extensions
+                            else None)
         if getattr(serialization_format, "value", serialization_format) != "torch_save":
             raise NotImplementedError(
                 f"serialization_format={serialization_format!r} is not supported; "
