@@ -34,9 +34,6 @@ __all__ = [
     "ZStandard",
 ]
 
-zstandard_module_name = "zstandard"
-
-
 if torch_dcp() is not None:
     from torch.distributed.checkpoint._extension import (
         Extension,
@@ -45,6 +42,7 @@ if torch_dcp() is not None:
         ZStandard,
     )
 else:
+    zstandard_module_name = "zstandard"
 
     def _zstandard() -> Any:
         """The ``zstandard`` module, or None when it is not installed."""

@@ -11,7 +11,10 @@ so every record read is checked whole (``verify_checksums=False`` skips all
 of it), unless the ranks verify that record together (its key is in
 ``shared``): then the part read is recorded as a piece for
 ``_fs_verify.verify_pieces``. Bytes items are checked (CRC-32s, allowed
-globals) before ``planner.load_bytes`` sees them.
+globals) before ``planner.load_bytes`` sees them. Items stored through
+stream transforms are read whole, taken back through them with a bound on
+their size, and then checked and copied out the same way (``_transformed``,
+``_fs_transform``).
 
 Known limit: adjacent small reads are not coalesced (the engine runs them
 in parallel).

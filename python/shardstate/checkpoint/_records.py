@@ -8,7 +8,10 @@ to the checkpoint directory, every offset and length checked against the
 file) and then recognises its record (``_Records.parse``): a dense record is
 compared with the one we would write for the chunk the metadata describes;
 any other is parsed strictly (``_zipfmt.parse_record``). Both work through a
-read-only mapping of the file that touches only the header and trailer pages.
+read-only mapping of the file that touches only the header and trailer pages,
+or (``parse_buffer``) on a record held in memory, which is how an item stored
+through stream transforms (its ``transform_descriptors``) is seen once they
+are undone; ``record_limit`` bounds what they may produce.
 
 Thread safety: a ``_Records`` serves one load at a time; the plan cache is
 an ``lru_cache`` (safe to share).
