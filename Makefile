@@ -1,6 +1,6 @@
 # shardstate: the two commands that matter are `make demo` and `make test`.
 # Both set up everything they need on a fresh machine (a virtualenv in .venv
-# with torch==2.13.0, numpy, pytest, hypothesis) and build the extension.
+# with torch==2.13.0, numpy, pytest, hypothesis, zstandard) and build the extension.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -24,7 +24,8 @@ all: build
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=77" wheel
+	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=77" \
+	    "zstandard>=0.22" wheel
 	touch $@
 
 venv: $(STAMP)
@@ -48,7 +49,8 @@ wheel-test:
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
 	$(WHEEL_VENV)/bin/pip wheel -q --no-deps -w $(WHEEL_DIR) .
-	$(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" "setuptools>=77"
+	$(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" "setuptools>=77" \
+	    "zstandard>=0.22"
 	$(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/shardstate-*.whl
 	mkdir -p build/wheel-run
 	cd build/wheel-run && env -u PYTHONPATH SHARDSTATE_TEST_INSTALLED=1 \

@@ -314,7 +314,8 @@ def test_overwrite(tmp_path):
 def test_unsupported_options():
     with pytest.raises(NotImplementedError, match="SAFETENSORS|safetensors"):
         FileSystemWriter("x", serialization_format=fs.SerializationFormat.SAFETENSORS)
-    with pytest.raises(NotImplementedError, match="_extensions"):
+    # Stream transforms are supported (tests/test_extension.py); what is not one is refused.
+    with pytest.raises(TypeError, match="_extensions"):
         FileSystemWriter("x", _extensions=[object()])
     with pytest.raises(ValueError, match="thread_count"):
         FileSystemWriter("x", thread_count=0)

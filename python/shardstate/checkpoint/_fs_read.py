@@ -11,7 +11,10 @@ so every record read is checked whole (``verify_checksums=False`` skips all
 of it), unless the ranks verify that record together (its key is in
 ``shared``): then the part read is recorded as a piece for
 ``_fs_verify.verify_pieces``. Bytes items are checked (CRC-32s, allowed
-globals) before ``planner.load_bytes`` sees them.
+globals) before ``planner.load_bytes`` sees them. Items stored through
+stream transforms are read whole, taken back through them with a bound on
+their size, and then checked and copied out the same way (``_transformed``,
+``_fs_transform``).
 
 Known limit: adjacent small reads are not coalesced (the engine runs them
 in parallel).
@@ -29,11 +32,12 @@ from typing import Any
 import numpy as np
 
 from .. import io as ssio
-from .._core import ChecksumError, crc32_combine
+from .._core import ChecksumError, crc32, crc32_combine
 from .._util import contiguous_strides, import_torch, is_contiguous
+from ._fs_transform import ReaderTransforms
 from ._fs_write import _cuda_stage, _device_bytes
 from ._pickle import PickleFormatError, UnsafePickleError, loads_object
-from ._records import StorageFormatError, _index_key, _Rec, _Records, _Req
+from ._records import StorageFormatError, _index_key, _Rec, _Records, _Req, transforms
 from ._tensors import numpy_dtype, numpy_dtype_name
 from .default_planner import _TrustedBytesIO
 
@@ -130,6 +134,29 @@ def _copy_out(r: _Req, rec: _Rec, data: np.ndarray, dest: Any) -> None:
     dest.copy_(src)
 
 
+def _destination(r: _Req, rec: _Rec, planner: Any) -> Any:
+    """The planner's destination for a tensor read (detached), checked
+    against the region the read needs and the record it reads from."""
+    dest = planner.resolve_tensor(r.item)
+    if not isinstance(dest, np.ndarray):
+        dest = dest.detach()
+    lengths = tuple(int(n) for n in r.item.lengths)
+    offs = tuple(int(o) for o in r.item.storage_offsets)
+    if tuple(dest.shape) != lengths:
+        raise StorageFormatError(
+            f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
+            f"{lengths}"
+        )
+    if len(offs) != len(rec.shape) or any(
+        o + n > s for o, n, s in zip(offs, lengths, rec.shape)
+    ):
+        raise StorageFormatError(
+            f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
+            f"saved chunk of shape {rec.shape}"
+        )
+    return dest
+
+
 def _crc_message(r: _Req, rec: _Rec) -> str:
     return (
         f"CRC-32 mismatch in {r.where()}: the tensor data at file offset {rec.data_offset} "
@@ -187,17 +214,23 @@ class _Reads:
     checksummed parts of the shared chunks (keys in ``shared``)."""
 
     def __init__(self, records: _Records, verify: bool, unsafe_unpickle: bool,
-                 cuda: _CudaDest, shared: frozenset = frozenset()) -> None:
+                 cuda: _CudaDest, shared: frozenset = frozenset(),
+                 transforms: ReaderTransforms | None = None) -> None:
         self.records = records
         self.verify = verify
         self.unsafe_unpickle = unsafe_unpickle
         self.cuda = cuda
         self.shared = shared
+        self.transforms = ReaderTransforms() if transforms is None else transforms
         self.stats = _new_stats()
         self.pieces: list[tuple] = []
 
     def local(self, reqs: list[_Req], planner: Any) -> None:
         """Reads these items from storage and commits them to the planner."""
+        transformed = [r for r in reqs if transforms(r.info)]
+        if transformed:
+            self._transformed(transformed, planner)
+            reqs = [r for r in reqs if not transforms(r.info)]
         byte_reqs = [r for r in reqs if r.item.type.name == "BYTE_IO"]
         tensor_reqs = [r for r in reqs if r.item.type.name != "BYTE_IO"]
         if byte_reqs:
@@ -213,10 +246,53 @@ class _Reads:
         ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b) for r, b in zip(reqs, bufs)],
                   checksum=False)
         for r, b in zip(reqs, bufs):
-            record = bytes(b)
-            _check_bytes_record(record, r.where(), restricted=not self.unsafe_unpickle)
-            planner.load_bytes(r.item, _TrustedBytesIO(record) if self.unsafe_unpickle
-                               else io.BytesIO(record))
+            self._load_bytes(r, bytes(b), planner)
+
+    def _load_bytes(self, r: _Req, record: bytes, planner: Any) -> None:
+        _check_bytes_record(record, r.where(), restricted=not self.unsafe_unpickle)
+        planner.load_bytes(r.item, _TrustedBytesIO(record) if self.unsafe_unpickle
+                           else io.BytesIO(record))
+
+    def _transformed(self, reqs: list[_Req], planner: Any) -> None:
+        """Items stored through stream transforms (``_fs_transform``): their
+        stored bytes read in batches of bounded size, then each item's
+        record taken back through its transforms (at most the size the item
+        may have) and checked as any other (CRC-32s; a bytes item's
+        pickle), its region copied out of it."""
+        k = 0
+        while k < len(reqs):
+            n, used = 0, 0
+            while k + n < len(reqs) and (
+                n == 0 or used + reqs[k + n].info.length <= _SCRATCH_BUDGET
+            ):
+                used += reqs[k + n].info.length
+                n += 1
+            batch = reqs[k : k + n]
+            stored = [bytearray(r.info.length) for r in batch]
+            self.stats["storage_bytes"] += used
+            ssio.read([ssio.ReadJob(r.file.path, r.info.offset, b)
+                       for r, b in zip(batch, stored)], checksum=False)
+            for r, b in zip(batch, stored):
+                where = r.where()
+                descriptors = transforms(r.info)
+                if r.item.type.name == "BYTE_IO":
+                    self._load_bytes(r, bytes(self.transforms.decode_bytes(descriptors, b, where)),
+                                     planner)
+                    continue
+                limit, size = self.records.record_limit(r)
+                record = self.transforms.decode(descriptors, b, limit, size, where)
+                rec = self.records.parse_buffer(record, r)
+                data = np.frombuffer(record, np.uint8, rec.data_length, rec.data_offset)
+                if self.verify and crc32(data) != rec.data_crc32:
+                    raise ChecksumError(
+                        f"CRC-32 mismatch in {where}: the tensor data its stream transforms "
+                        f"{list(descriptors)} give ({rec.data_length} bytes at offset "
+                        f"{rec.data_offset} of the record) does not match the CRC "
+                        f"{rec.data_crc32:08x} stored in its record")
+                dest = _destination(r, rec, planner)
+                _copy_out(r, rec, data, dest)
+                planner.commit_tensor(r.item, dest)
+            k += n
 
     def _tensors(self, reqs: list[_Req], planner: Any) -> None:
         infos = self.records.parse(reqs)
@@ -225,23 +301,9 @@ class _Reads:
         direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
         staged: list[tuple[_Req, _Rec, Any]] = []
         for r, rec in zip(reqs, infos):
-            dest = planner.resolve_tensor(r.item)
-            if not isinstance(dest, np.ndarray):
-                dest = dest.detach()
+            dest = _destination(r, rec, planner)
             lengths = tuple(int(n) for n in r.item.lengths)
             offs = tuple(int(o) for o in r.item.storage_offsets)
-            if tuple(dest.shape) != lengths:
-                raise StorageFormatError(
-                    f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
-                    f"{lengths}"
-                )
-            if len(offs) != len(rec.shape) or any(
-                o + n > s for o, n, s in zip(offs, lengths, rec.shape)
-            ):
-                raise StorageFormatError(
-                    f"{r.where()}: region offsets {offs} lengths {lengths} fall outside the "
-                    f"saved chunk of shape {rec.shape}"
-                )
             span = None
             if isinstance(dest, np.ndarray):
                 if (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"

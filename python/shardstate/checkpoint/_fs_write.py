@@ -8,7 +8,9 @@ writes all headers, tensor bytes (straight from the tensors' memory, or from
 CUDA memory through a pipeline of pinned buffers) and bytes items while
 computing each tensor's CRC-32; the small trailers, which hold the CRC, are
 then patched from a template and written with ``pwrite`` before each file
-is fsynced.
+is fsynced. A writer with stream transforms (``_extensions``) builds each
+record in memory instead, through the transforms (``_fs_transform``), and
+the engine writes the transformed bytes (``_write_transformed``).
 
 Known limit: CUDA tensors of a second device are copied to the CPU, all of
 a rank's at once, before the write batch.
@@ -19,10 +21,14 @@ or load at a time, as in torch).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import functools
 import io
 import os
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from .. import io as ssio
-from .._core import ShardstateError
+from .._core import ShardstateError, crc32
 from .._util import import_torch
+from ._fs_transform import Encoded, WriterTransforms
 from ._records import _record_plan, _Trailer
 from .metadata import _StorageInfo
 from .planner import element_size
@@ -123,6 +130,10 @@ def _dense_as_clone(t: Any) -> bool:
     return tuple(t.stride()) == tuple(import_torch().empty_like(t, device="meta").stride())
 
 
+# Transformed bytes written per engine call (_write_transformed): what a
+# save through stream transforms holds in memory at once, beyond one item.
+_TRANSFORM_BATCH = 256 << 20
+
 # CUDA tensors are saved through a pipeline of pinned buffers (one Stage per
 # device and process, made on first use): the d2h copy of piece k+1 runs
 # while piece k is written, with no host copy of the tensor made in Python.
@@ -200,16 +211,23 @@ class _PendingTrailer:
     job: int  # index of the data job in the batch
 
 
-def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+def _result(item: Any, name: str, offset: int, length: int,
+            descriptors: list[str] | None = None) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(name, offset, length))
+                       storage_data=_StorageInfo(name, offset, length,
+                                                 transform_descriptors=descriptors))
 
 
 def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
-                reorder: bool, sync_files: bool) -> list[WriteResult]:
+                reorder: bool, sync_files: bool,
+                transforms: WriterTransforms | None = None) -> list[WriteResult]:
     """Writes a rank's files, each (name in ``root``, its items in order),
     the whole rank in one engine call; with ``reorder``, each file's tensors
-    smallest first (torch's overlapping loader). Returns the write results."""
+    smallest first (torch's overlapping loader). With ``transforms`` (the
+    writer's extensions) every item goes through them instead
+    (``_write_transformed``). Returns the write results."""
+    if transforms is not None:
+        return _write_transformed(root, files, planner, reorder, sync_files, transforms)
     jobs: list[ssio.WriteJob] = []
     trailers: list[_PendingTrailer] = []
     results: list[WriteResult] = []
@@ -265,6 +283,89 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
     _finish_files(written, trailers, crcs, empty_files, sync_files)
     return results
+
+
+def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
+                       reorder: bool, sync_files: bool,
+                       transforms: WriterTransforms) -> list[WriteResult]:
+    """``write_files`` through stream transforms: the files torch's writer
+    makes with these extensions (``_fs_transform``). Each item's record is
+    built and transformed in memory (a CUDA tensor copied to the CPU
+    first), by ``transforms.threads`` threads at once when that is more
+    than one (torch's writer also transforms with ``thread_count``
+    threads), and the transformed bytes are written by the engine, in order,
+    in batches of about ``_TRANSFORM_BATCH`` bytes."""
+    jobs: list[ssio.WriteJob] = []
+    pending = 0
+    results: list[WriteResult] = []
+    empty_files: list[str] = []
+    cursors: dict[str, int] = {}  # the files written, and where each ends
+
+    def flush() -> None:
+        nonlocal pending
+        if jobs:
+            ssio.write(jobs, fsync=False, checksum=False, writeback=sync_files)
+        jobs.clear()
+        pending = 0
+
+    def tasks() -> Iterator[tuple[str, str, Any, Callable[[], Encoded]]]:
+        """(path, file name, item, what encodes it), in torch's order; the
+        planner's data is resolved here, in this thread."""
+        for name, items in files:
+            path = os.fspath(root / name)
+            byte_items = [w for w in items if _is_bytes_item(w)]
+            tensor_items = [w for w in items if not _is_bytes_item(w)]
+            if reorder:
+                tensor_items.sort(key=_item_size)
+            if not items:
+                empty_files.append(path)
+            for item in byte_items:
+                data = planner.resolve_data(item)
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                yield path, name, item, functools.partial(transforms.encode_bytes, buf)
+            for item in tensor_items:
+                src = _record_source(planner.resolve_data(item), item)
+                yield path, name, item, functools.partial(_encode_tensor, transforms, src)
+
+    for path, name, item, out in _in_order(tasks(), transforms.threads):
+        cursor = cursors.get(path, 0)
+        for buf in out.buffers:
+            jobs.append(ssio.WriteJob(path, cursor, buf))
+            cursor += len(buf)
+        results.append(_result(item, name, cursors.get(path, 0), out.nbytes, out.descriptors))
+        cursors[path] = cursor
+        pending += out.nbytes
+        if pending >= _TRANSFORM_BATCH:
+            flush()
+    flush()
+    _finish_files(list(cursors), [], [], empty_files, sync_files)
+    return results
+
+
+def _encode_tensor(transforms: WriterTransforms, src: tuple) -> Encoded:
+    dtype, shape, stride, numel, data = src
+    rec, _trailer = _record_plan(dtype, shape, stride, numel)
+    crc = crc32(data) if rec.data_length else 0
+    return transforms.encode_record(rec, data, crc)
+
+
+def _in_order(tasks: Iterator[tuple], threads: int) -> Iterator[tuple]:
+    """Each task ``(*head, fn)`` as ``(*head, fn())``, in order; with
+    ``threads`` > 1 that many run at once, at most twice as many ahead."""
+    if threads <= 1:
+        for *head, fn in tasks:
+            yield (*head, fn())
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, "shardstate-transform") as pool:
+        window: collections.deque = collections.deque()
+        for *head, fn in tasks:
+            window.append((head, pool.submit(fn)))
+            if len(window) >= 2 * threads:
+                done, fut = window.popleft()
+                yield (*done, fut.result())
+        while window:
+            done, fut = window.popleft()
+            yield (*done, fut.result())
 
 
 def _finish_files(

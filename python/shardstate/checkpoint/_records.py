@@ -8,7 +8,10 @@ to the checkpoint directory, every offset and length checked against the
 file) and then recognises its record (``_Records.parse``): a dense record is
 compared with the one we would write for the chunk the metadata describes;
 any other is parsed strictly (``_zipfmt.parse_record``). Both work through a
-read-only mapping of the file that touches only the header and trailer pages.
+read-only mapping of the file that touches only the header and trailer pages,
+or (``parse_buffer``) on a record held in memory, which is how an item stored
+through stream transforms (its ``transform_descriptors``) is seen once they
+are undone; ``record_limit`` bounds what they may produce.
 
 Thread safety: a ``_Records`` serves one load at a time; the plan cache is
 an ``lru_cache`` (safe to share).
@@ -45,6 +48,17 @@ class StorageFormatError(ShardstateError, ValueError):
 
 # Its public home (shardstate.checkpoint.filesystem re-exports it).
 StorageFormatError.__module__ = "shardstate.checkpoint.filesystem"
+
+
+# A tensor record may be this much larger than the dense record of its chunk
+# (a strided record's pickle names its strides): the bound on what an item's
+# stream transforms may produce (record_limit).
+RECORD_SLACK = 64 << 10
+
+
+def transforms(info: Any) -> Any:
+    """An item's ``transform_descriptors`` (None or empty: stored as it is)."""
+    return getattr(info, "transform_descriptors", None)
 
 
 def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
@@ -175,10 +189,14 @@ class _Req:
         return f"item {self.key!r} in {self.file.path} at offset {self.info.offset}"
 
 
-def _parsed(mm: mmap.mmap, r: _Req) -> _Rec:
-    view = memoryview(mm)[r.info.offset : r.info.offset + r.info.length]
+def _parsed(mm: Any, r: _Req, off: int | None = None, length: int | None = None) -> _Rec:
+    """The record at ``mm[off : off + length]`` (by default where
+    ``r.info`` says), parsed strictly."""
+    if off is None:
+        off, length = r.info.offset, r.info.length
+    view = memoryview(mm)[off : off + length]
     try:
-        p = parse_record(view, base_offset=r.info.offset)
+        p = parse_record(view, base_offset=off)
     except RecordFormatError as e:
         raise StorageFormatError(f"{r.where()}: {e}") from None
     finally:
@@ -236,10 +254,11 @@ class _Records:
                 raise StorageFormatError(
                     f"{self.path}: no storage entry for {item.storage_index}"
                 ) from None
-            if getattr(info, "transform_descriptors", None):
-                raise NotImplementedError(
-                    f"item {item.storage_index.fqn!r} was written with stream transforms "
-                    f"{list(info.transform_descriptors)}, which are not supported"
+            td = transforms(info)
+            if td and (type(td) not in (list, tuple) or not all(type(d) is str for d in td)):
+                raise StorageFormatError(
+                    f"{self.path}: item {item.storage_index.fqn!r} has transform descriptors "
+                    f"{td!r}, expected a list of str"
                 )
             f = self._open_file(info.relative_path, files)
             off, n = info.offset, info.length
@@ -277,20 +296,23 @@ class _Records:
 
     def tensor_reads(self, plans: list[Any]) -> Iterator[tuple[int, Any, Any, Any]]:
         """(rank, read item, chunk key, (metadata, chunk)) for every tensor
-        read of every rank's plan whose saved chunk is known."""
+        read of every rank's plan whose saved chunk is known and whose
+        record is stored as it is (not through stream transforms)."""
         for rank, p in enumerate(plans):
             for it in p.items:
                 if it.type.name == "BYTE_IO":
                     continue
+                info = self.storage_data.get(_index_key(it.storage_index))
+                if info is not None and transforms(info):
+                    continue  # each rank reads and checks it whole (_fs_read)
                 found = self.chunk(it.storage_index)
                 if found is not None:
                     yield rank, it, _index_key(it.storage_index), found
 
-    def expected(self, mm: mmap.mmap, r: _Req) -> _Rec | None:
-        """The record, if it is byte for byte the contiguous record the
-        metadata predicts (what torch and we write for a dense tensor):
-        checked by comparing its header and trailer with our own, which is
-        stricter than parsing and costs microseconds. None otherwise."""
+    def _dense_plan(self, r: _Req) -> tuple[str, tuple[int, ...], TensorRecordPlan,
+                                             _Trailer] | None:
+        """(dtype, shape, plan, trailer) of the contiguous record the
+        metadata predicts for the chunk ``r`` reads, or None."""
         found = self.chunk(r.item.storage_index)
         if found is None:
             return None
@@ -304,17 +326,56 @@ class _Records:
             plan, trailer = _record_plan(dtype, shape, None, numel)
         except (RecordFormatError, ValueError):
             return None
-        off, dofs, dlen = r.info.offset, plan.data_offset, plan.data_length
-        if dofs + dlen + len(trailer.template) != r.info.length:
+        return dtype, shape, plan, trailer
+
+    def record_limit(self, r: _Req) -> tuple[int, int]:
+        """(limit, expected size) of the record a tensor item's stream
+        transforms may produce: the dense record of the chunk the metadata
+        describes, plus ``RECORD_SLACK`` (a strided record's pickle is a
+        little longer). Raises StorageFormatError when the chunk is unknown."""
+        dense = self._dense_plan(r)
+        if dense is None:
+            raise StorageFormatError(
+                f"{r.where()}: the metadata describes no chunk of a known dtype for this "
+                "item, so the size its stream transforms may produce is unknown; refused")
+        plan, trailer = dense[2], dense[3]
+        size = plan.data_offset + plan.data_length + len(trailer.template)
+        return size + RECORD_SLACK, size
+
+    def expected(self, mm: Any, r: _Req, off: int | None = None,
+                 length: int | None = None) -> _Rec | None:
+        """The record, if it is byte for byte the contiguous record the
+        metadata predicts (what torch and we write for a dense tensor):
+        checked by comparing its header and trailer with our own, which is
+        stricter than parsing and costs microseconds. None otherwise. The
+        record is ``mm[off : off + length]`` (by default where ``r.info``
+        says)."""
+        dense = self._dense_plan(r)
+        if dense is None:
+            return None
+        dtype, shape, plan, trailer = dense
+        if off is None:
+            off = r.info.offset
+        if length is None:
+            length = r.info.length
+        dofs, dlen = plan.data_offset, plan.data_length
+        if dofs + dlen + len(trailer.template) != length:
             return None
         if mm[off : off + dofs] != plan.header:
             return None
-        tail = mm[off + dofs + dlen : off + r.info.length]
+        tail = mm[off + dofs + dlen : off + length]
         crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
         if tail != trailer(crc):
             return None
         return _Rec(dtype.removeprefix("torch."), shape, contiguous_strides(shape), 0,
                     off + dofs, dlen, crc)
+
+    def parse_buffer(self, buf: bytearray, r: _Req) -> _Rec:
+        """The tensor record held whole in ``buf`` (what an item's stream
+        transforms gave), recognised as ``parse`` does; its data offset is
+        an offset in ``buf``."""
+        rec = self.expected(buf, r, 0, len(buf))
+        return rec if rec is not None else _parsed(buf, r, 0, len(buf))
 
     def parse(self, reqs: list[_Req]) -> list[_Rec]:
         """Locates each tensor record's data through a read-only mapping of

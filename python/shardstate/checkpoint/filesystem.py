@@ -17,7 +17,9 @@ and publish. The work is done by:
   the checkpoint directory, offsets checked) and recognising them;
 * ``_fs_read``: reading records into the destinations, CRC-32s checked;
 * ``_fs_bcast``: load once, broadcast (``broadcast_shared_reads=True``);
-* ``_fs_verify``: shared CRC verification of records split between ranks.
+* ``_fs_verify``: shared CRC verification of records split between ranks;
+* ``_fs_transform``: items written through stream transforms
+  (``_extensions`` / ``_extension_registry``, torch's ``_extension``).
 
 ``finish`` publishes ``.metadata`` atomically, last; with ``overwrite`` the
 old one is removed in ``prepare_local_plan``, before any data file is
@@ -55,6 +57,7 @@ from .. import io as ssio
 from . import _fs_verify
 from ._fs_bcast import _Schedule, exchange, plan_broadcast, read_shared
 from ._fs_read import _CudaDest, _new_stats, _Reads
+from ._fs_transform import ReaderTransforms, WriterTransforms
 from ._fs_write import _split_by_size_and_type, _uses_overlapping_loader, write_files
 from ._pickle import (
     PickleFormatError,
@@ -142,9 +145,14 @@ class FileSystemWriter(StorageWriter):
     I/O itself always runs on the engine's thread pool. ``per_thread_copy_ahead``
     only matters for torch's item order when an accelerator is present, and
     is honoured for that. ``cache_staged_state_dict`` is accepted for
-    compatibility; staging belongs to ``async_save``. ``_extensions`` (stream
-    transforms) and ``SerializationFormat.SAFETENSORS`` raise
-    NotImplementedError.
+    compatibility; staging belongs to ``async_save``.
+    ``SerializationFormat.SAFETENSORS`` raises NotImplementedError.
+
+    ``_extensions`` (EXPERIMENTAL, as in torch): stream transforms, such as
+    ``_extension.ZStandard()``, that every item's bytes go through, as
+    torch's writer applies them (``_fs_transform``); the items' storage data
+    records their descriptors. Without them the records are written as
+    before, by the engine alone.
     """
 
     def __init__(
@@ -162,10 +170,9 @@ class FileSystemWriter(StorageWriter):
         super().__init__()
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        if _extensions:
-            raise NotImplementedError(
-                "FileSystemWriter(_extensions=...) stream transforms are not supported"
-            )
+        # None (torch: "the implementation's defaults") and () both mean none.
+        self._transforms = (WriterTransforms(_extensions, thread_count) if _extensions
+                            else None)
         if getattr(serialization_format, "value", serialization_format) != "torch_save":
             raise NotImplementedError(
                 f"serialization_format={serialization_format!r} is not supported; "
@@ -250,7 +257,8 @@ class FileSystemWriter(StorageWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         reorder = _uses_overlapping_loader(self.thread_count, self.per_thread_copy_ahead)
         return completed_future(
-            write_files(self.path, self._files(plan), planner, reorder, self.sync_files))
+            write_files(self.path, self._files(plan), planner, reorder, self.sync_files,
+                        self._transforms))
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         metadata.version = CURRENT_DCP_VERSION
@@ -297,9 +305,14 @@ class FileSystemReader(StorageReader):
     pickle's globals (an allowlist: builtin containers, tensors, storages,
     dtypes, sizes, NumPy arrays) have been checked, unless
     ``unsafe_unpickle=True`` (torch's own reader loads them with
-    ``weights_only=False``, which runs any code they hold). ``_extension_registry`` is accepted for
-    compatibility; records written with stream transforms raise
-    NotImplementedError.
+    ``weights_only=False``, which runs any code they hold).
+
+    ``_extension_registry`` (EXPERIMENTAL, as in torch): the
+    ``_extension.ExtensionRegistry`` that makes the stream transforms items
+    were written with (their ``transform_descriptors``) into extensions to
+    undo them; by default one that knows ZStandard. What the transforms give
+    back is bounded by the item's size and checked as any record
+    (``_fs_transform``).
 
     ``broadcast_shared_reads``: under shardstate's ``load`` with a process
     group, a saved chunk that several ranks need (a Replicate() target, a
@@ -341,6 +354,7 @@ class FileSystemReader(StorageReader):
         self.use_collectives = True
         self.verify_checksums = verify_checksums
         self.unsafe_unpickle = unsafe_unpickle
+        self._transforms = ReaderTransforms(_extension_registry)
         # The load's collectives, while shardstate's load runs (None under
         # torch's load): see load_collectives.
         self._collectives: _Collectives | None = None
@@ -461,7 +475,7 @@ class FileSystemReader(StorageReader):
         sd = armed if armed is not None else getattr(plan, "storage_data", None)
         lp = sd if isinstance(sd, _LoadPlanData) and col is not None else None
         reads = _Reads(self._records, self.verify_checksums, self.unsafe_unpickle, self._cuda,
-                       lp.shared if lp is not None else frozenset())
+                       lp.shared if lp is not None else frozenset(), self._transforms)
         self.read_stats = reads.stats
         if col is not None:
             col._reads = reads  # for its pieces()
