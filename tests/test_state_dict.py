@@ -54,6 +54,8 @@ from typing import Any
 
 import pytest
 import shardstate.checkpoint.state_dict as ssd
+import shardstate.checkpoint.state_dict._broadcast as ssd_broadcast
+import shardstate.checkpoint.state_dict._shards as ssd_shards
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as tsd
@@ -358,7 +360,7 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
             sharded = [v for v in got_s[0].values() if isinstance(v, ShardedTensor)]
             assert sharded
             for v in sharded:
-                _same(ssd._gather_sharded_tensor(v), _all_gather_sharded_tensor(v),
+                _same(ssd_shards._gather_sharded_tensor(v), _all_gather_sharded_tensor(v),
                       "gathered ShardedTensor")
         done.append(f"get{opts}")
 
@@ -593,14 +595,14 @@ def _meta_and_several(rank: int, world: int) -> int:
         for block in net.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        saved = ssd._BUCKET_BYTES
-        ssd._BUCKET_BYTES = bucket or saved
+        saved = ssd_broadcast._BUCKET_BYTES
+        ssd_broadcast._BUCKET_BYTES = bucket or saved
         try:
             api = tsd if mod is tsd else ssd
             api.set_model_state_dict(net, _copy(full_sd), options=api.StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True))
         finally:
-            ssd._BUCKET_BYTES = saved
+            ssd_broadcast._BUCKET_BYTES = saved
         assert not any(p.is_meta for p in net.parameters())
         loaded[mod] = net
     for mod in (ssd, "small"):
