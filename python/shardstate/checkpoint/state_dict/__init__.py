@@ -61,17 +61,24 @@ each importing only those above it:
 
 * ``_fqns``: canonical FQNs behind wrapper prefixes, the model's entries;
 * ``_info``: StateDictOptions, the type aliases, what one call learns
-  about the model (``_Info``), torch's checks on the state dicts;
+  about the model (``_Info``), torch's checks on the state dicts, the
+  registry of patched methods (``_patched_state_dict``);
 * ``_shards``: gathering and offloading, a full tensor cut to a shard;
 * ``_broadcast``: ``broadcast_from_rank0``'s header and tensor buckets;
 * ``_model``: the model's state dict, get and set;
 * ``_optim``: the optimizers' state dict, get and set.
+
+Also torch's private ``_patch_model_state_dict`` and
+``_patch_optimizer_state_dict``, which code written for torch imports from
+this module: they make ``state_dict()`` / ``load_state_dict()`` of a model
+and its optimizers call the functions here.
 
 Importing this module imports torch.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any, cast
@@ -92,6 +99,7 @@ from ._info import (
     ValueType,
     _check_state_dicts,
     _make_info,
+    _patched_state_dict,
 )
 from ._model import _get_model_state_dict, _load_model_state_dict
 from ._optim import _get_optim_state_dict, _load_optim_state_dict
@@ -254,3 +262,64 @@ def set_state_dict(
         _check_state_dicts(model_state_dict, optim_state_dict, info)
         _load_optim_state_dict(model, optims, optim_state_dict, info)
         return _load_model_state_dict(model, model_state_dict, info)
+
+
+def _patch_model_state_dict(
+    model: nn.Module,
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """Make ``model.state_dict()`` return :func:`get_model_state_dict` and
+    ``model.load_state_dict(sd)`` call :func:`set_model_state_dict` (both
+    with ``options``; the latter returns None), as torch 2.13's private
+    function of this name does. The replacements are registered in
+    ``_patched_state_dict``, so the get/set functions still reach the
+    model's own methods."""
+    _state_dict_call = functools.partial(get_model_state_dict, model=model, options=options)
+
+    def state_dict_call() -> dict[str, ValueType]:
+        return _state_dict_call()
+
+    model.state_dict = state_dict_call  # type: ignore[method-assign]
+
+    _load_state_dict_call = functools.partial(set_model_state_dict, model=model, options=options)
+
+    def load_state_dict_call(state_dict: dict[str, Any]) -> None:
+        _load_state_dict_call(model_state_dict=state_dict)
+
+    model.load_state_dict = load_state_dict_call  # type: ignore[method-assign]
+
+    _patched_state_dict.add(state_dict_call)
+    _patched_state_dict.add(load_state_dict_call)
+
+
+def _patch_optimizer_state_dict(
+    model: nn.Module,
+    *,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    options: StateDictOptions | None = None,
+) -> None:
+    """Make every optimizer's ``state_dict()`` return
+    :func:`get_optimizer_state_dict` of all of ``optimizers`` together and
+    its ``load_state_dict(osd)`` call :func:`set_optimizer_state_dict` on
+    all of them (with ``options``), as torch 2.13's private function of this
+    name does; the replacements are registered in ``_patched_state_dict``."""
+    _state_dict_call = functools.partial(
+        get_optimizer_state_dict, model=model, optimizers=optimizers, options=options
+    )
+
+    def state_dict_call() -> OptimizerStateType:
+        return _state_dict_call()
+
+    _load_state_dict_call = functools.partial(
+        set_optimizer_state_dict, model=model, optimizers=optimizers, options=options
+    )
+
+    def load_state_dict_call(state_dict: dict[str, Any]) -> None:
+        _load_state_dict_call(optim_state_dict=state_dict)
+
+    _patched_state_dict.add(state_dict_call)
+    _patched_state_dict.add(load_state_dict_call)
+    for optim in _as_tuple(optimizers):
+        optim.state_dict = state_dict_call  # type: ignore[method-assign]
+        optim.load_state_dict = load_state_dict_call  # type: ignore[method-assign]

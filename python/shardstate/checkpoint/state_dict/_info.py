@@ -1,10 +1,13 @@
 """What a get/set call is asked (StateDictOptions) and what it learns about
 the model (_Info: FQNs, tied parameters, FSDP1 units), the type aliases of
-torch 2.13's module, and torch's sanity checks on the state dicts."""
+torch 2.13's module, torch's sanity checks on the state dicts, and the way
+past a ``state_dict`` / ``load_state_dict`` that ``_patch_*`` replaced."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -36,6 +39,26 @@ ValueType = (
 DictValueType = dict[str, ValueType]
 ListDictValueType = list[DictValueType]
 OptimizerStateType = dict[str, DictValueType | ListDictValueType]
+
+# The callables _patch_model_state_dict / _patch_optimizer_state_dict put in
+# place of a model's or an optimizer's state_dict and load_state_dict (as
+# torch 2.13 keeps them): the get/set functions call past them.
+_patched_state_dict: set[Callable[..., Any]] = set()
+
+_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def _state_dict_fn(obj: nn.Module | torch.optim.Optimizer, api: str) -> Callable[..., Any]:
+    """``obj``'s own ``state_dict`` / ``load_state_dict`` (``api``): the
+    class's method where a patch replaced it (call it with keywords, as
+    torch does: ``self`` is bound by keyword). torch's own patches count
+    too (if torch's module is loaded, it may have made some): a get here
+    is then what it was asked, not what torch's patch was set up to give."""
+    call = getattr(obj, api)
+    torch_sd = sys.modules.get(_TORCH_STATE_DICT)
+    if call in _patched_state_dict or call in getattr(torch_sd, "_patched_state_dict", ()):
+        call = functools.partial(getattr(obj.__class__, api), self=obj)
+    return call
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ._broadcast import _broadcast_from_rank0
 from ._fqns import _ExtraState, _get_fqns, _model_entries, _one_fqn, _only_wrapper_names_dropped
-from ._info import ValueType, _Info
+from ._info import ValueType, _Info, _state_dict_fn
 from ._shards import _full_or_offloaded, _shard_like
 
 # ------------------------------------------------------------------ model get
@@ -25,7 +25,7 @@ def _get_model_state_dict(model: nn.Module, info: _Info) -> dict[str, ValueType]
     if not info.handle_model:
         return {}
     with info.fsdp_context():
-        state = model.state_dict()
+        state = _state_dict_fn(model, "state_dict")()
     renamed = []
     for key, value in state.items():
         fqn = _one_fqn(model, key)
@@ -128,5 +128,8 @@ def _load_model_state_dict(
         state.update((k, v) for k, v in local.items() if not isinstance(v, _ExtraState))
     with info.fsdp_context():
         return cast(
-            _IncompatibleKeys, model.load_state_dict(state, strict=info.strict, assign=assign)
+            _IncompatibleKeys,
+            _state_dict_fn(model, "load_state_dict")(
+                state_dict=state, strict=info.strict, assign=assign
+            ),
         )

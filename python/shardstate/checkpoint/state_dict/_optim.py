@@ -18,7 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from ._broadcast import _broadcast_tensors, _full_for_broadcast, _header_from_rank0, _TensorInfo
 from ._fqns import _COMPILED, _PARAMS, _PG, _STATE, _get_fqns, _one_fqn
-from ._info import DictValueType, ListDictValueType, OptimizerStateType, ValueType, _Info
+from ._info import (
+    DictValueType,
+    ListDictValueType,
+    OptimizerStateType,
+    ValueType,
+    _Info,
+    _state_dict_fn,
+)
 from ._shards import _full_or_offloaded, _map_state, _shard_like
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -156,7 +163,7 @@ def _get_optim_state_dict(
     merged: OptimizerStateType = {_STATE: {}, _PG: []}
     for optim in optims:
         _init_optim_state(optim)
-        osd = optim.state_dict()
+        osd = _state_dict_fn(optim, "state_dict")()
         if info.fsdp_modules:
             with info.fsdp_context():
                 osd = _fsdp1_optim_state_dict(model, optim, osd, group=_fsdp1_group(model, info))
@@ -303,7 +310,7 @@ def _full_optim_to_local(
     only with ``broadcast_from_rank0``) -> this rank's part, shaped like
     ``optim``'s current state: DTensor state gets its shard, the rest the
     full value; entries the full state lacks keep their current value."""
-    local = _rekey_by_fqn(model, optim, optim.state_dict())
+    local = _rekey_by_fqn(model, optim, _state_dict_fn(optim, "state_dict")())
     if info.cpu_offload:
         local = _map_state(local, lambda t: t.to(torch.device("cpu")))
     devices = {t.device for t in _tensors(local) if t.dim() > 0}
@@ -444,7 +451,7 @@ def _load_optim_state_dict(
         elif info.full_state_dict:
             osd = _full_optim_to_local(model, optim, osd, info)
         # FQN keys work: load_state_dict pairs saved and current params by order.
-        optim.load_state_dict(osd)
+        _state_dict_fn(optim, "load_state_dict")(state_dict=osd)
 
 
 def _with_compiler_names(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
