@@ -71,7 +71,8 @@ each importing only those above it:
 Also torch's private ``_patch_model_state_dict`` and
 ``_patch_optimizer_state_dict``, which code written for torch imports from
 this module: they make ``state_dict()`` / ``load_state_dict()`` of a model
-and its optimizers call the functions here.
+and its optimizers call the functions here. Those functions reach the
+model's and optimizers' own methods past such patches, torch's included.
 
 Importing this module imports torch.
 """
