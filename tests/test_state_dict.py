@@ -22,10 +22,15 @@ broadcast_from_rank0):
 Also: errors for bad input are torch's (type and message); an FSDP2 model
 built on the meta device is filled from rank 0's full state dict by
 broadcast; the deprecated submodule forms; a DDP model with two optimizers;
-and end to end, an FSDP2 model with Adam saved at world size 4 with
-``shardstate.checkpoint`` (sharded) and resumed at world size 2 gives the
-losses of an uninterrupted world-size-4 run (rtol 1e-5: reductions over 2
-ranks round differently from 4).
+torch's private ``_patch_model_state_dict`` and ``_patch_optimizer_state_dict``
+(plain, FSDP2 and FSDP1 models, two optimizers; ours beside torch's on identical
+models: ``state_dict()`` is the getter's result, ``load_state_dict`` runs
+shardstate's setter, which loads what the model's own method refuses, leaves the
+caller's dict alone and loads every patched optimizer at once; the get
+functions reach past both libraries' patches); and end to end, an FSDP2 model
+with Adam saved at world size 4 with ``shardstate.checkpoint`` (sharded) and
+resumed at world size 2 gives the losses of an uninterrupted world-size-4 run
+(rtol 1e-5: reductions over 2 ranks round differently from 4).
 
 What torch 2.13 itself cannot do on CPU, and how it is covered:
 
@@ -54,6 +59,8 @@ from typing import Any
 
 import pytest
 import shardstate.checkpoint.state_dict as ssd
+import shardstate.checkpoint.state_dict._broadcast as ssd_broadcast
+import shardstate.checkpoint.state_dict._shards as ssd_shards
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as tsd
@@ -358,7 +365,7 @@ def _check_kind(rank: int, world: int, kind: str, optim: str) -> list[str]:
             sharded = [v for v in got_s[0].values() if isinstance(v, ShardedTensor)]
             assert sharded
             for v in sharded:
-                _same(ssd._gather_sharded_tensor(v), _all_gather_sharded_tensor(v),
+                _same(ssd_shards._gather_sharded_tensor(v), _all_gather_sharded_tensor(v),
                       "gathered ShardedTensor")
         done.append(f"get{opts}")
 
@@ -593,14 +600,14 @@ def _meta_and_several(rank: int, world: int) -> int:
         for block in net.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        saved = ssd._BUCKET_BYTES
-        ssd._BUCKET_BYTES = bucket or saved
+        saved = ssd_broadcast._BUCKET_BYTES
+        ssd_broadcast._BUCKET_BYTES = bucket or saved
         try:
             api = tsd if mod is tsd else ssd
             api.set_model_state_dict(net, _copy(full_sd), options=api.StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True))
         finally:
-            ssd._BUCKET_BYTES = saved
+            ssd_broadcast._BUCKET_BYTES = saved
         assert not any(p.is_meta for p in net.parameters())
         loaded[mod] = net
     for mod in (ssd, "small"):
@@ -663,3 +670,208 @@ def _meta_and_several(rank: int, world: int) -> int:
 
 def test_meta_init_and_several_optimizers(run_distributed) -> None:
     assert run_distributed(_meta_and_several, 2) == [3, 3]
+
+
+# ------------------------------------------------ torch's private patch functions
+
+
+class _Counting:
+    """Counts the calls of ``module.name`` while in the ``with`` block: the
+    patched methods are partials of the public functions, bound when patched,
+    so what they call inside the package is what can be watched."""
+
+    def __init__(self, module: Any, name: str) -> None:
+        self.module, self.name, self.calls = module, name, 0
+
+    def __enter__(self) -> _Counting:
+        self.saved = getattr(self.module, self.name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self.saved(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(self.module, self.name, self.saved)
+
+
+def _own_optim(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's own state dict (past any patch), local tensors only."""
+    from torch.distributed.tensor import DTensor
+
+    sd = torch.optim.Optimizer.state_dict(opt)
+    state = {pid: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in st.items()}
+             for pid, st in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _patch_model(rank: int, world: int) -> list[str]:
+    """``_patch_model_state_dict``, ours and torch's on identical models:
+    ``state_dict()`` is ``get_model_state_dict`` with the options, and
+    ``load_state_dict`` is ``set_model_state_dict`` (shown by what only the
+    setter does, and by watching shardstate's loader being called)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    _quiet()
+    done = []
+    for kind, opts in (("plain", {"strict": False}), ("fsdp2", {}),
+                       ("fsdp2", {"full_state_dict": True}), ("fsdp1_orig", {})):
+        where = f"{kind} {opts}"
+        source, sopt = _build(kind, world, 1, "adam")
+        _step(source, sopt, 0)
+        models = {}
+        for mod in (tsd, ssd):
+            models[mod], _ = _build(kind, world, 0, "adam")
+            mod._patch_model_state_dict(models[mod], options=mod.StateDictOptions(**opts))
+        ours, theirs = models[ssd], models[tsd]
+        options = ssd.StateDictOptions(**opts)
+
+        with _Counting(ssd, "_get_model_state_dict") as getter:
+            got = ours.state_dict()
+        assert getter.calls == 1, where
+        # get_model_state_dict itself reaches the model's own state_dict.
+        _same(got, ssd.get_model_state_dict(ours, options=options), f"{where} state_dict()")
+        _same(got, theirs.state_dict(), f"{where} state_dict(), ours and torch's")
+        kinds = {type(v) for v in got.values()}
+        if kind == "fsdp2":
+            assert (DTensor in kinds) != bool(opts.get("full_state_dict")), (where, kinds)
+            assert DTensor in {type(v) for v in nn.Module.state_dict(ours).values()}
+        elif kind == "fsdp1_orig":
+            assert ShardedTensor in kinds, (where, kinds)
+
+        sd = ssd.get_model_state_dict(source, options=options)
+        if opts.get("strict") is False:
+            del sd["head.bias"]  # kept as it is: only the setter's options allow it
+        probe, _ = _build(kind, world, 0, "adam")
+        if opts:
+            # The model's own load_state_dict refuses what the setter takes:
+            # a missing key under strict=True, full tensors into DTensors.
+            with pytest.raises(RuntimeError):
+                nn.Module.load_state_dict(probe, _copy(sd))
+        kept = ssd.get_model_state_dict(ours)["head.bias"]
+        given = {mod: _copy(sd) for mod in (tsd, ssd)}
+        with _Counting(ssd, "_load_model_state_dict") as setter:
+            assert ours.load_state_dict(given[ssd]) is None
+        assert setter.calls == 1, where
+        assert theirs.load_state_dict(given[tsd]) is None
+        _same(given[ssd], _copy(sd), f"{where} the caller's dict")
+        if opts.get("full_state_dict"):
+            # torch 2.13's setter puts the model's DTensors into the caller's
+            # dict (a difference of the two setters, seen through the patch).
+            assert any(isinstance(v, DTensor) for v in given[tsd].values()), where
+
+        loaded = ssd.get_model_state_dict(ours)
+        _same(loaded, ssd.get_model_state_dict(theirs), f"{where} loaded, ours and torch's")
+        want = ssd.get_model_state_dict(source)
+        if opts.get("strict") is False:
+            want["head.bias"] = kept
+            if "head2.weight" in want:  # tied to head.weight: loaded through both names
+                want["head2.weight"] = want["head.weight"]
+        _same(loaded, want, f"{where} loaded")
+        done.append(where)
+    return done
+
+
+def test_patch_model_state_dict(run_distributed) -> None:
+    results = run_distributed(_patch_model, 2)
+    assert results[0] == results[1] and len(results[0]) == 4, results
+
+
+def _two_optimizers(kind: str, world: int, seed: int) -> tuple[nn.Module, tuple[Any, Any]]:
+    model, _ = _build(kind, world, seed, "sgd")
+    ids = {id(p) for p in model.blocks.parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, (
+        torch.optim.Adam([p for p in trainable if id(p) in ids], lr=0.01, betas=(0.8, 0.95)),
+        torch.optim.SGD([p for p in trainable if id(p) not in ids], lr=0.02, momentum=0.9),
+    )
+
+
+def _step_all(model: nn.Module, opts: tuple[Any, ...], step: int) -> None:
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
+def _patch_optim(rank: int, world: int) -> list[str]:
+    """``_patch_optimizer_state_dict`` with two optimizers, ours and torch's
+    on identical models: each optimizer's ``state_dict()`` is
+    ``get_optimizer_state_dict`` of both, and one ``load_state_dict`` loads
+    both through ``set_optimizer_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
+    _quiet()
+    done = []
+    for kind, opts in (("plain", {}), ("plain", {"flatten_optimizer_state_dict": True}),
+                       ("fsdp2", {}), ("fsdp2", {"full_state_dict": True}),
+                       ("fsdp2", {"flatten_optimizer_state_dict": True})):
+        where = f"{kind} {opts}"
+        # torch's full optimizer load makes tuple hyperparameters lists.
+        as_lists = bool(opts.get("full_state_dict"))
+        source, sopts = _two_optimizers(kind, world, 1)
+        for s in range(2):
+            _step_all(source, sopts, s)
+        pairs = {}
+        for mod in (tsd, ssd):
+            model, optims = _two_optimizers(kind, world, 0)
+            _step_all(model, optims, 0)
+            mod._patch_optimizer_state_dict(model, optimizers=optims,
+                                            options=mod.StateDictOptions(**opts))
+            pairs[mod] = (model, optims)
+        (ours, ours_o), theirs_o = pairs[ssd], pairs[tsd][1]
+        options = ssd.StateDictOptions(**opts)
+
+        with _Counting(ssd, "_get_optim_state_dict") as getter:
+            got = ours_o[0].state_dict()
+            _same(ours_o[1].state_dict(), got, f"{where} the second optimizer's state_dict()")
+        assert getter.calls == 2, where
+        _same(got, ssd.get_optimizer_state_dict(ours, ours_o, options=options),
+              f"{where} state_dict()")
+        _same(got, theirs_o[0].state_dict(), f"{where} state_dict(), ours and torch's")
+        flat = opts.get("flatten_optimizer_state_dict")
+        key = "state.blocks.0.lin.weight.exp_avg" if flat else "param_groups"
+        assert key in got, (where, sorted(got)[:4])
+        if not flat:
+            assert len(got["param_groups"]) == 2 and "head.bias" in got["state"], where
+            if kind == "fsdp2" and not opts:
+                assert isinstance(got["state"]["head.bias"]["momentum_buffer"], DTensor)
+
+        osd = ssd.get_optimizer_state_dict(source, sopts, options=options)
+        given = _copy(osd)
+        with _Counting(ssd, "_load_optim_state_dict") as setter:
+            assert ours_o[0].load_state_dict(given) is None  # loads both optimizers
+        assert setter.calls == 1, where
+        _same(given, _copy(osd), f"{where} the caller's dict")
+        assert theirs_o[0].load_state_dict(_copy(osd)) is None
+        for i in range(2):
+            _same(_own_optim(ours_o[i]), _own_optim(sopts[i]), f"{where} loaded optimizer {i}")
+            _same(_own_optim(ours_o[i]), _own_optim(theirs_o[i]),
+                  f"{where} loaded optimizer {i}, ours and torch's", tuples_as_lists=as_lists)
+            if kind == "fsdp2":
+                state = torch.optim.Optimizer.state_dict(ours_o[i])["state"]
+                assert all(isinstance(v, DTensor) for st in state.values()
+                           for v in st.values() if torch.is_tensor(v) and v.dim() > 0), where
+
+        # One more step, from the source's parameters, against the source's.
+        for model, _ in (pairs[ssd], pairs[tsd]):
+            ssd.set_model_state_dict(model, _copy(ssd.get_model_state_dict(source)))
+        _step_all(source, sopts, 2)
+        for who, (model, optims) in (("ours", pairs[ssd]), ("torch's", pairs[tsd])):
+            _step_all(model, optims, 2)
+            _same(_params(model), _params(source), f"{where} {who} after a step")
+            for i in range(2):
+                _same(_own_optim(optims[i]), _own_optim(sopts[i]),
+                      f"{where} {who} optimizer {i} after a step",
+                      tuples_as_lists=as_lists and who == "torch's")
+        done.append(where)
+    return done
+
+
+def test_patch_optimizer_state_dict(run_distributed) -> None:
+    results = run_distributed(_patch_optim, 2)
+    assert results[0] == results[1] and len(results[0]) == 5, results
