@@ -8,8 +8,10 @@ Same names, signatures and on-disk format as torch's DCP; the bulk work runs
 in shardstate's C engine (parallel writes with CRC-32 in the same pass,
 verified reads straight into place), ``.metadata`` and bytes items are read
 with a restricted unpickler, and a checkpoint becomes visible only when its
-``.metadata`` is published atomically, last. Importing this package does
-not import torch.
+``.metadata`` is published atomically, last. With torch installed, the
+data types (metadata, plans, storage and planner bases) are torch's own
+classes, so importing this package imports torch's DCP; without torch,
+NumPy-only state dicts save and load through torch-free stand-ins.
 """
 
 from ._pickle import PickleFormatError, UnsafePickleError
