@@ -27,6 +27,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -450,3 +451,39 @@ def _dtensor(mesh: Any) -> Any:
 def test_broadcasting_reader_on_two_ranks(tmp_path, run_distributed):
     torch.save(_file_state(), tmp_path / "in.pt")
     assert run_distributed(_bcast, 2, str(tmp_path)) == [9, 9]
+
+
+def test_private_names_and_modules_without_torch(tmp_path):
+    """NumPy-only: _load_state_dict_from_keys builds ndarrays from the
+    metadata; format_utils and optimizer import (torch is needed only
+    when they are called)."""
+    code = textwrap.dedent(f"""
+        import sys
+
+        class NoTorch:  # as if torch were not installed: importing it fails
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torch":
+                    raise ImportError("torch is not installed here")
+
+        sys.meta_path.insert(0, NoTorch())
+        import numpy as np
+        import shardstate.checkpoint as dcp
+        import shardstate.checkpoint.format_utils, shardstate.checkpoint.optimizer
+        from shardstate.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        sd = {{"w": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "n": {{"x": [np.arange(2, dtype=np.int16), 3], "s": "hi"}}}}
+        dcp.save(sd, checkpoint_id={str(tmp_path / "c")!r})
+        out = _load_state_dict_from_keys(checkpoint_id={str(tmp_path / "c")!r})
+        assert out["w"].dtype == np.float32 and out["w"].tolist() == sd["w"].tolist()
+        assert out["n"]["x"][0].dtype == np.int16 and out["n"]["x"][0].tolist() == [0, 1]
+        assert out["n"]["x"][1] == 3 and out["n"]["s"] == "hi"
+        assert list(_load_state_dict_from_keys("n.s", checkpoint_id={str(tmp_path / "c")!r})) \\
+            == ["n"]
+        assert not any(m.split(".")[0] == "torch" for m in sys.modules)
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
