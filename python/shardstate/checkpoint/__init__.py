@@ -25,6 +25,7 @@ from .metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from .optimizer import load_sharded_optimizer_state_dict
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .state_dict_loader import load, load_state_dict
 from .state_dict_saver import AsyncSaveResponse, async_save, save, save_state_dict
@@ -57,6 +58,7 @@ __all__ = [
     "WriteItem",
     "async_save",
     "load",
+    "load_sharded_optimizer_state_dict",
     "load_state_dict",
     "save",
     "save_state_dict",

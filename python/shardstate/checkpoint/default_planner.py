@@ -179,6 +179,16 @@ def create_default_global_save_plan(
     return new_plans, Metadata(md)
 
 
+def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
+    """The ``Metadata`` a save of ``state_dict`` (already flat) with the
+    default planner would write, from every chunk of every value (all shards
+    of a ShardedTensor, not only the local ones); no data is planned."""
+    from .planner_helpers import _create_default_metadata_only_plan
+
+    _, md = create_default_global_save_plan([_create_default_metadata_only_plan(state_dict)])
+    return md
+
+
 def _validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
     """Errors: chunks out of bounds, overlapping chunks, chunks not covering
     the tensor (checked with more than one plan). 0-d tensors are skipped."""
@@ -773,3 +783,73 @@ class DefaultLoadPlanner(LoadPlanner):
             self._pending[read_item] = view
             return tmp
         return view
+
+
+class _EmptyStateDictLoadPlanner(DefaultLoadPlanner):
+    """A DefaultLoadPlanner that builds the state dict from the checkpoint's
+    metadata (torch 2.13's): for loading without a model, e.g. converting a
+    checkpoint into a torch.save file. The state dict passed to the load
+    must be empty; it is filled with a tensor of the saved shape and dtype
+    for every tensor (on CPU; an ndarray without torch) and the value of
+    every bytes item, nested as when it was saved.
+
+    ``keys``: load only these keys: a flat key of the checkpoint, or a
+    prefix of one's nested path joined by dots (``"model"``,
+    ``"model.layer1"``). The other arguments are DefaultLoadPlanner's.
+    Everything is loaded into this process: keep it to one rank for large
+    checkpoints.
+    """
+
+    def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
+        self.keys = keys
+        super().__init__(*args, **kwargs)
+
+    def _should_include_key(self, key: str, metadata: Metadata) -> bool:
+        if self.keys is None or key in self.keys:
+            return True
+        # The nested path's prefixes joined by dots: ("a", "b", 0) -> a, a.b, a.b.0.
+        # (A key without planner data has only itself; torch fails on it.)
+        path = (metadata.planner_data or {}).get(key) or ()
+        prefix = ""
+        for part in path:
+            prefix = f"{prefix}.{part}" if prefix else str(part)
+            if prefix in self.keys:
+                return True
+        return False
+
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if state_dict:
+            raise AssertionError(
+                f"not state_dict: _EmptyStateDictLoadPlanner builds the state dict from the "
+                f"checkpoint's metadata and needs an empty one, got {len(state_dict)} keys"
+            )
+        if metadata is None:
+            raise AssertionError("metadata is not None: _EmptyStateDictLoadPlanner builds the "
+                                 "state dict from the checkpoint's metadata and was given none")
+        planner_data = metadata.planner_data or {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not self._should_include_key(key, metadata):
+                continue
+            value: Any = _empty_like_saved(md) if _is_tensor_md(md) else md
+            if key in planner_data:
+                set_element(state_dict, planner_data[key], value)
+            else:
+                state_dict[key] = value
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def _empty_like_saved(md: Any) -> Any:
+    """An uninitialised CPU tensor of a saved tensor's shape and dtype (an
+    ndarray where torch is not loaded)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    dtype = _tensors.numpy_dtype(str(md.properties.dtype))
+    if dtype is None:
+        raise ValueError(f"cannot make a NumPy array of {md.properties.dtype} without torch")
+    return np.empty(tuple(md.size), dtype=dtype)

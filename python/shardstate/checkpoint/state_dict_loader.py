@@ -181,3 +181,31 @@ def load_state_dict(
     storage_reader.reset()
     coord = _coordinator(process_group, no_dist, coordinator_rank)
     _load_state_dict(state_dict, storage_reader, coord, planner)
+
+
+def _load_state_dict_from_keys(
+    keys: set[str] | str | None = None,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_reader: Any = None,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """A new state dict of the checkpoint's ``keys`` (all of it if None),
+    built from its metadata and read whole into this process (torch 2.13's
+    private function, which real code imports).
+
+    ``keys``: flat keys of the checkpoint or dotted prefixes of their
+    nested paths (see ``_EmptyStateDictLoadPlanner``). Tensors come back on
+    CPU, bytes items as their values (through the planner's restricted
+    ``loads``). Without an initialised process group it loads in this
+    process alone (torch warns that it assumes so; this does not).
+    """
+    from .default_planner import _EmptyStateDictLoadPlanner
+
+    reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
+    if isinstance(keys, str):
+        keys = {keys}
+    state_dict: dict[str, Any] = {}
+    _load_state_dict(state_dict, reader, _coordinator(process_group, False),
+                     _EmptyStateDictLoadPlanner(keys=keys))
+    return state_dict
