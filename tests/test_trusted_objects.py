@@ -65,3 +65,15 @@ def test_the_switch_still_checks_crcs(tmp_path: Path) -> None:
     with pytest.raises(ss.CheckpointException) as e:
         ss.load(out, storage_reader=ss.FileSystemReader(str(tmp_path), unsafe_unpickle=True))
     assert any(isinstance(exc, ChecksumError) for exc, _ in e.value.failures.values())
+
+
+def test_dcp_to_torch_save_takes_the_switch(tmp_path: Path) -> None:
+    from shardstate.checkpoint.format_utils import dcp_to_torch_save
+
+    ss.save(_state(), checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(ss.CheckpointException, match="unsafe_unpickle=True"):
+        dcp_to_torch_save(tmp_path / "ck", tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "out.pt", unsafe_unpickle=True)
+    back = torch.load(tmp_path / "out.pt", weights_only=False)  # the test's own trusted file
+    assert back["cfg"] == RunConfig("run", 0.5) and torch.equal(back["w"], torch.arange(5.0))

@@ -116,15 +116,20 @@ def _save_atomically(obj: Any, path: str | os.PathLike) -> None:
 def dcp_to_torch_save(
     dcp_checkpoint_dir: str | os.PathLike,
     torch_save_path: str | os.PathLike,
+    *,
+    unsafe_unpickle: bool = False,
 ) -> None:
     """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` into a
     torch.save file at ``torch_save_path`` (a path, or a writable binary
     file object): the state dict as it was saved, nested, tensors on CPU.
 
     The whole checkpoint is loaded into this process (run it on one rank).
+    ``unsafe_unpickle=True`` (trusted checkpoints only) reads bytes items
+    holding any class, as ``FileSystemReader(path, unsafe_unpickle=True)``.
     """
     sd: STATE_DICT_TYPE = {}
-    _load_state_dict(sd, FileSystemReader(dcp_checkpoint_dir), _coordinator(None, True),
+    reader = FileSystemReader(dcp_checkpoint_dir, unsafe_unpickle=unsafe_unpickle)
+    _load_state_dict(sd, reader, _coordinator(None, True),
                      _EmptyStateDictLoadPlanner())
     if isinstance(torch_save_path, (str, os.PathLike)):
         _save_atomically(sd, torch_save_path)
