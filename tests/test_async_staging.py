@@ -547,3 +547,53 @@ def test_a_dying_checkpoint_process_fails_the_save(run_distributed, tmp_path):
             assert "died" in res["next"] and "shutdown" in res["next"]
         assert res["fresh"]
     assert not (tmp_path / "die" / ".metadata").exists()
+
+
+def _failures(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    res: dict = {}
+    sd = {"w": torch.full((8, 8), float(rank)), f"r{rank}": torch.ones(3)}
+    # without collectives, a rank that fails still meets the others at the
+    # end, in a thread and in the checkpoint process
+    for mode in (None, THREAD, PROCESS):
+        name = "sync" if mode is None else mode.value
+        writer = _FailingWriter(f"{root}/nc_{name}", world - 1)
+        try:
+            if mode is None:
+                dcp.save(sd, storage_writer=writer, use_collectives=False)
+            else:
+                dcp.async_save(sd, storage_writer=writer, use_collectives=False,
+                               async_checkpointer_type=mode).result(timeout=120)
+            res[name] = "ok"
+        except dcp.CheckpointException as e:
+            res[name] = sorted(e.failures)
+        except OSError as e:  # without collectives a rank's own error is raised as is
+            res[name] = e.errno
+    # a rank whose staging fails takes part in the PROCESS save, failing
+    bad = dict(sd)
+    if rank == world - 1:
+        bad["lock"] = threading.Lock()
+    fut = dcp.async_save(bad, checkpoint_id=f"{root}/bad", async_checkpointer_type=PROCESS)
+    res["bad_staged"] = fut.staging_completion.exception() is None
+    try:
+        fut.result(timeout=120)
+        res["bad"] = None
+    except dcp.CheckpointException as e:
+        res["bad"] = (sorted(e.failures), "lock" in str(e))
+    dist.barrier()
+    res["bad_committed"] = os.path.exists(f"{root}/bad/.metadata")
+    return res
+
+
+def test_failures_reach_every_rank_and_none_waits(run_distributed, tmp_path):
+    world = 2
+    for rank, res in enumerate(run_distributed(_failures, world, str(tmp_path), timeout=300)):
+        failed = rank == world - 1
+        for name in ("sync", "thread"):
+            assert res[name] == (28 if failed else "ok"), (name, res)
+        # the checkpoint process's errors come back as CheckpointException
+        assert res["process"] == ([rank] if failed else "ok"), res
+        assert res["bad_staged"] == (not failed)
+        assert res["bad"] == ([world - 1], True)
+        assert not res["bad_committed"]

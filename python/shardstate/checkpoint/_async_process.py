@@ -79,7 +79,7 @@ def _preparation() -> dict[str, Any]:
     the main module: a training script run again in the checkpoint process
     would train there (spawn needs an ``if __name__ == "__main__"`` guard;
     many torchrun scripts have none). What ``__main__`` defines can't be
-    sent, and is refused (:func:`refuse_main`)."""
+    sent, and is refused (``_Pickler``)."""
     import multiprocessing.spawn as sp
 
     try:
@@ -440,6 +440,7 @@ def _serve(conn: Connection) -> None:
                                                 {init["rank"]: _wrap_exception(e)})))
         return
     maps: dict[int, mmap.mmap] = {}
+    code = 0
     try:
         while True:
             try:
@@ -459,11 +460,21 @@ def _serve(conn: Connection) -> None:
                     finally:
                         os.close(fd)
             conn.send(_run_save(req, maps, coord, init["rank"]))
+    except BaseException:  # noqa: BLE001 - a broken request stream: say why, then exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     finally:
         if coord is not None and coord.use_dist:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+        # every file is written and closed: skip the interpreter's teardown
+        # (seconds with torch loaded), which the training process waits for
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _join(conn: Connection, init: dict[str, Any]) -> _Coordinator:
