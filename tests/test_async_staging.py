@@ -38,9 +38,18 @@ THREAD, PROCESS = AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS
 
 
 @pytest.fixture(autouse=True)
-def _no_checkpoint_processes_left():
+def _clean_pool_and_processes():
+    """Each test starts with an empty staging pool, and leaves it so, with
+    no checkpoint process running (the pool is per process: other tests in
+    this one count its arenas)."""
+    gc.collect()
+    assert _staging._pool._busy == 0
+    _staging._pool._free.clear()
     yield
     _async_process.shutdown()
+    gc.collect()
+    assert _staging._pool._busy == 0  # every staging went back
+    _staging._pool._free.clear()
 
 
 def _local_state() -> dict:

@@ -161,17 +161,19 @@ class _StagingPool:
         self._deferred: collections.deque[_Arena | None] = collections.deque()
 
     def acquire(self, nbytes: int, shared: bool = False) -> _Arena:
-        """An arena of at least nbytes (a shared one if ``shared``),
-        waiting while every slot is busy."""
+        """An arena of at least nbytes (a shared one if ``shared``; a free
+        shared one may serve a private staging), waiting while every slot
+        is busy."""
         with self._cond:
             self._drain()
             while self._busy >= self._slots:
                 self._cond.wait(0.05)
                 self._drain()
             self._busy += 1
-            fits = [a for a in self._free if a.size >= nbytes and a.shared == shared]
+            # a shared arena serves a private staging too (one kind, preferred)
+            fits = [a for a in self._free if a.size >= nbytes and (a.shared or not shared)]
             if fits:
-                arena = min(fits, key=lambda a: a.size)
+                arena = min(fits, key=lambda a: (a.shared != shared, a.size))
                 self._free.remove(arena)
                 return arena
             if self._free:  # none fits this state: let the largest go
