@@ -67,6 +67,7 @@ from ._pickle import (
 )
 from ._records import StorageFormatError, _index_key, _Records
 from .metadata import TORCH_TYPES, StorageMeta
+from .staging import _FileSystemWriterStager
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 
 if TORCH_TYPES:  # torch's own, so a user's FileSystemBase subclass is one of ours
@@ -137,15 +138,16 @@ def _validate_checkpoint_id(checkpoint_id: str | os.PathLike) -> bool:
 # --------------------------------------------------------------------------
 
 
-class FileSystemWriter(StorageWriter):
+class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
     """Writes a DCP checkpoint directory, byte-identical to torch 2.13's
     ``FileSystemWriter`` with the same options.
 
     ``thread_count`` sets how many files each rank writes (as in torch); the
     I/O itself always runs on the engine's thread pool. ``per_thread_copy_ahead``
     only matters for torch's item order when an accelerator is present, and
-    is honoured for that. ``cache_staged_state_dict`` is accepted for
-    compatibility; staging belongs to ``async_save``.
+    is honoured for that. It is a ``BlockingAsyncStager``, as torch's is:
+    ``async_save`` stages through it (``cache_staged_state_dict``: one arena
+    kept for this writer, see ``staging``).
     ``SerializationFormat.SAFETENSORS`` raises NotImplementedError.
 
     ``_extensions`` (EXPERIMENTAL, as in torch): stream transforms, such as
@@ -167,7 +169,7 @@ class FileSystemWriter(StorageWriter):
         _extensions: Sequence[Any] | None = None,
         serialization_format: Any = SerializationFormat.TORCH_SAVE,
     ) -> None:
-        super().__init__()
+        _FileSystemWriterStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         # None (torch: "the implementation's defaults") and () both mean none.
@@ -184,7 +186,6 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
-        self.cache_staged_state_dict = cache_staged_state_dict
         self.overwrite = overwrite
         self.serialization_format = serialization_format
         self.save_id = str(uuid.uuid4())

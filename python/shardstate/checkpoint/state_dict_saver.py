@@ -7,17 +7,40 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future, wait
+from enum import Enum
 from typing import Any
 
 from . import _staging
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
+from .api import _wrap_exception
 from .logger import _dcp_method_logger
-from .metadata import STATE_DICT_TYPE, Metadata
+from .metadata import STATE_DICT_TYPE, TORCH_TYPES, Metadata
+from .staging import AsyncStager, BlockingAsyncStager
 from .stateful import Stateful
 from .utils import _api_bc_check
 
-__all__ = ["AsyncSaveResponse", "async_save", "save", "save_state_dict"]
+__all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "save",
+           "save_state_dict"]
+
+if TORCH_TYPES:
+    # torch's own: a torch.distributed.checkpoint AsyncCheckpointerType
+    # member picks the same checkpointer here
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.state_dict_saver import (
+        AsyncSaveResponse as _TorchAsyncSaveResponse,
+    )
+else:
+
+    class AsyncCheckpointerType(Enum):  # type: ignore[no-redef]
+        """Where async_save writes: a thread of this process, or a
+        checkpoint process."""
+
+        THREAD = "thread"
+        PROCESS = "process"
+
+    class _TorchAsyncSaveResponse:  # type: ignore[no-redef]
+        pass
 
 
 def _stateful_to_state_dict(state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
@@ -111,7 +134,11 @@ def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinat
     if use_collectives:
         central_plan = coord.reduce_scatter("plan", local_step, global_step)
     else:
-        central_plan = global_step([local_step()])[0]
+        try:
+            central_plan = global_step([local_step()])[0]
+        except BaseException:
+            coord.barrier()  # the others wait for this rank at the end of theirs
+            raise
 
     def write_data() -> Any:
         futures = writer.write_data(planner.finish_plan(central_plan), planner)
@@ -125,9 +152,10 @@ def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinat
 
     if use_collectives:
         return coord.all_reduce("write", write_data, finish)
-    metadata = finish([write_data()])
-    coord.barrier()
-    return metadata
+    try:
+        return finish([write_data()])
+    finally:
+        coord.barrier()  # failed or not: no rank is left waiting here
 
 
 def save_state_dict(
@@ -149,18 +177,46 @@ def save_state_dict(
 
 # ---------------------------------------------------------------- async_save
 
-class AsyncSaveResponse(Future):
-    """What async_save returns: a Future of the save's Metadata (so code
-    written for torch's return value keeps working) that also shows the two
-    phases separately: ``staging_completion`` (done when async_save returns:
-    the state is copied, the caller may modify its tensors) and
-    ``upload_completion`` (this future: done when the checkpoint is
-    committed, or failed with the exception)."""
+class AsyncSaveResponse(_TorchAsyncSaveResponse, Future):
+    """What async_save returns, torch's ``AsyncSaveResponse`` (a subclass of
+    it with torch installed): ``staging_completion``, done when the state is
+    staged (the caller may then modify its tensors), and
+    ``upload_completion``, done with the save's Metadata when the checkpoint
+    is committed, or failed with the exception.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.staging_completion: Future = Future()
-        self.upload_completion: Future = self
+    It is also a Future of the Metadata (``upload_completion`` itself, when
+    given None): code written for torch's plain-Future return value keeps
+    working.
+    """
+
+    def __init__(self, staging_completion: Future, upload_completion: Future | None) -> None:
+        Future.__init__(self)
+        self.staging_completion = staging_completion
+        self.upload_completion = self if upload_completion is None else upload_completion
+        if upload_completion is not None:
+            upload_completion.add_done_callback(lambda f: _copy_outcome(f, self))
+
+    # a Future: compared and hashed by identity (concurrent.futures.wait
+    # keeps futures in sets), shown by its state
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+    __repr__ = Future.__repr__
+
+
+def _copy_outcome(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+def _signal_outcome(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(None)
 
 
 # One extra gloo group per process group spanning every rank, used only by
@@ -195,6 +251,61 @@ def _async_group(process_group: Any) -> Any:
         return _async_groups[key]
 
 
+def _in_process(async_checkpointer_type: Any) -> bool:
+    """True for PROCESS, False for THREAD; anything else is refused (never
+    a silent thread in place of a process)."""
+    kind = getattr(async_checkpointer_type, "value", async_checkpointer_type)
+    if kind == "process":
+        return True
+    if kind == "thread":
+        return False
+    raise ValueError(f"async_checkpointer_type must be AsyncCheckpointerType.THREAD or "
+                     f"AsyncCheckpointerType.PROCESS, got {async_checkpointer_type!r}")
+
+
+def _for_process(writer: Any, planner: Any, coord: _Coordinator) -> None:
+    """Refuses at the call what the checkpoint process can't be given."""
+    from . import _async_process
+
+    for what, obj in (("storage writer", writer), ("planner", planner)):
+        try:
+            _async_process.dumps(obj, arenas=False)
+        except Exception as e:
+            raise TypeError(
+                f"async_save(async_checkpointer_type=PROCESS): the {what} "
+                f"{type(obj).__qualname__} cannot be pickled to the checkpoint process "
+                f"({type(e).__name__}: {e}); use AsyncCheckpointerType.THREAD") from e
+    _async_process.check_alive(_async_process.group_key(coord))
+
+
+def _save_in_process(staged: Any, error: BaseException | None, writer: Any, planner: Any,
+                     coord: _Coordinator, use_collectives: bool) -> Metadata:
+    """The save, written and committed by the checkpoint process (started
+    on first use: every rank of the group is here together)."""
+    from . import _async_process
+
+    proc = _async_process.checkpoint_process(coord)
+    restaged: _staging.StagedState | None = None
+    payload, arenas = None, []
+    try:
+        if error is None:
+            try:
+                if _async_process.needs_restaging(staged):
+                    # not all in shared memory (another stager's output):
+                    # copied there once, here, rather than through the pipe
+                    restaged = _staging.stage(staged, shared=True)
+                    staged = restaged.state_dict
+                payload, arenas = _async_process.dumps((staged, writer, planner))
+            except Exception as e:  # noqa: BLE001 - the process takes part failing
+                error = e
+        return proc.save(payload, arenas, use_collectives,
+                         None if error is None else _wrap_exception(error))
+    finally:
+        if restaged is not None:
+            restaged.release()
+
+
+@_dcp_method_logger(log_exceptions=True)
 def async_save(
     state_dict: STATE_DICT_TYPE,
     *,
@@ -202,44 +313,75 @@ def async_save(
     storage_writer: Any = None,
     planner: Any = None,
     process_group: Any = None,
-    async_checkpointer_type: Any = None,
-    async_stager: Any = None,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    async_stager: AsyncStager | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
 ) -> AsyncSaveResponse:
-    """Copy the state to host memory, then save it in the background.
+    """Stage the state on the host, then save it in the background.
 
-    Returns once staging is done (the caller may then modify its tensors);
-    the returned future completes with the Metadata when the checkpoint is
-    committed, or with the exception (a CheckpointException when any rank
-    failed; a rank whose staging fails also fails ``staging_completion``
-    and still takes part, so the others are told). Background saves on a
-    group of every rank use a private gloo group, so they never interleave
-    with the caller's own collectives (a smaller ``process_group`` is used
-    as it is, as in torch); they run one after another in call order (a
-    save started before the previous one finished waits for it).
+    Same signature and staging protocol as torch's: ``async_stager`` stages
+    the state (else ``storage_writer`` when it is an ``AsyncStager``, as
+    FileSystemWriter is, else shardstate's staging pool); a stager whose
+    ``stage`` returns a Future stages in the background, and
+    ``staging_completion`` completes with it; otherwise async_save returns
+    once staging is done (the caller may then modify its tensors), after
+    ``synchronize_staging`` when the stager's
+    ``should_synchronize_after_execute``.
 
-    Staging copies CPU tensors, DTensor local shards and ndarrays into a
-    reusable buffer from a bounded per-process pool (two in use at a time:
-    a third save in flight waits in staging for the oldest to finish), so a
-    training loop's repeated saves copy into memory already mapped.
+    ``async_checkpointer_type``: THREAD writes in a thread of this process;
+    PROCESS in this rank's checkpoint process (see ``_async_process``),
+    staged in shared memory it maps, so this process's GIL never touches the
+    write. What PROCESS can't be given (a storage writer or planner that
+    can't be pickled) raises TypeError here.
+
+    The returned AsyncSaveResponse completes with the Metadata when the
+    checkpoint is committed, or with the exception (a CheckpointException
+    when any rank failed; a rank whose staging fails also fails
+    ``staging_completion`` and still takes part, so the others are told).
+    Background saves on a group of every rank use a private gloo group, so
+    they never interleave with the caller's own collectives (a smaller
+    ``process_group`` is used as it is, as in torch); they run one after
+    another in call order (a save started before the previous one finished
+    waits for it).
+
+    The staging pool copies CPU and CUDA tensors, DTensor local shards and
+    ndarrays into a reusable buffer from a bounded per-process pool (two in
+    use at a time: a third save in flight waits in staging for the oldest
+    to finish), so a training loop's repeated saves copy into memory
+    already mapped.
     """
+    in_process = _in_process(async_checkpointer_type)
+    stager = async_stager
+    if stager is None and storage_writer is not None and isinstance(storage_writer, AsyncStager):
+        stager = storage_writer  # as torch: a writer that stages
+    cached = isinstance(stager, BlockingAsyncStager) and stager.cache_staged_state_dict
+    if cached and stager._inflight is not None:
+        # its cache (and, a writer, its path) still serve the last save
+        wait([stager._inflight])
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
     if coord.use_dist:
         coord = _Coordinator(_async_group(process_group), True, 0)
-    response = AsyncSaveResponse()
+    if in_process:
+        _for_process(writer, planner, coord)
+    response = AsyncSaveResponse(Future(), None)
     staged: Any = None
     staging: _staging.StagedState | None = None
+    staging_future: Future | None = None
     staging_error: BaseException | None = None
     try:
-        if async_stager is not None:
-            staged = async_stager.stage(_stateful_to_state_dict(state_dict))
-            if isinstance(staged, Future):
-                staged = staged.result()
-        else:
-            staging = _staging.stage(_stateful_to_state_dict(state_dict))
+        flat = _stateful_to_state_dict(state_dict)
+        if stager is None:
+            staging = _staging.stage(flat, shared=in_process)
             staged = staging.state_dict
+        else:
+            with _staging.sharing(in_process):
+                out = stager.stage(flat)
+            if isinstance(out, Future):
+                staging_future = out
+            else:
+                staged = out
     except Exception as e:
         if not coord.use_dist:
             raise
@@ -248,7 +390,13 @@ def async_save(
         staging_error = e
         response.staging_completion.set_exception(e)
     else:
-        response.staging_completion.set_result(None)
+        if staging_future is None:
+            response.staging_completion.set_result(None)
+        else:
+            staging_future.add_done_callback(
+                lambda f: _signal_outcome(f, response.staging_completion))
+    if cached:
+        stager._inflight = response  # the next staging into its cache waits for this save
     previous: Future | None = None
     if coord.use_dist:
         # Every rank calls async_save in the same order, so running each
@@ -258,16 +406,39 @@ def async_save(
             _async_last[coord.group] = response
 
     def run() -> None:
+        nonlocal staged, staging_error
         if previous is not None:
             wait([previous])  # its outcome is its own caller's business
+        if staging_future is not None:
+            try:
+                staged = staging_future.result()
+            except BaseException as e:  # noqa: BLE001 - carried to every rank
+                staging_error = e
+        result: Any = None
+        failure: BaseException | None = None
         try:
-            response.set_result(_save_state_dict(staged, writer, coord, planner, use_collectives,
-                                                 staging_error))
+            if in_process:
+                result = _save_in_process(staged, staging_error, writer, planner, coord,
+                                          use_collectives)
+            else:
+                result = _save_state_dict(staged, writer, coord, planner, use_collectives,
+                                          staging_error)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
-            response.set_exception(e)
+            failure = e
         finally:
+            # the arena goes back to the pool for the next save (before the
+            # caller hears that this one is done)
             if staging is not None:
-                staging.release()  # the arena goes back to the pool for the next save
+                staging.release()
+            elif staged is not None and not cached:
+                _staging.release_staged(staged)
+        if failure is not None:
+            response.set_exception(failure)
+        else:
+            response.set_result(result)
 
     threading.Thread(target=run, name="shardstate-async-save", daemon=True).start()
+    if staging_future is None and stager is not None and staging_error is None \
+            and stager.should_synchronize_after_execute:
+        stager.synchronize_staging()
     return response
