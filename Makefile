@@ -44,16 +44,21 @@ test: build
 # (SHARDSTATE_TEST_INSTALLED=1 makes tests/test_packaging.py insist on it).
 WHEEL_DIR  := build/wheel
 WHEEL_VENV := build/wheel-venv
+# The Makefile exports PYTHONPATH=python for the in-tree targets; here it
+# must go, or pip sees python/shardstate.egg-info and skips the install.
+WHEEL_ENV  := env -u PYTHONPATH
 wheel-test:
 	rm -rf $(WHEEL_DIR) $(WHEEL_VENV) build/wheel-run
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/pip install -q --upgrade pip
-	$(WHEEL_VENV)/bin/pip wheel -q --no-deps -w $(WHEEL_DIR) .
-	$(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" "setuptools>=77" \
-	    "zstandard>=0.22"
-	$(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/shardstate-*.whl
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q --upgrade pip
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip wheel -q --no-deps -w $(WHEEL_DIR) .
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" \
+	    "setuptools>=77" "zstandard>=0.22"
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/shardstate-*.whl
 	mkdir -p build/wheel-run
-	cd build/wheel-run && env -u PYTHONPATH SHARDSTATE_TEST_INSTALLED=1 \
+	cd build/wheel-run && $(WHEEL_ENV) $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
+	    "import shardstate.checkpoint, shardstate.fsdp; print('installed:', shardstate.__file__)"
+	cd build/wheel-run && $(WHEEL_ENV) SHARDSTATE_TEST_INSTALLED=1 \
 	    $(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	    --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml $(CURDIR)/tests
 
