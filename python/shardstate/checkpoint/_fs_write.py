@@ -57,6 +57,16 @@ def _is_bytes_item(item: Any) -> bool:
     return item.type.name == "BYTE_IO"
 
 
+def _file_order(items: list[Any], reorder: bool) -> tuple[list[Any], list[Any]]:
+    """One file's items in the order torch writes them: its bytes items,
+    then its tensors (smallest first when ``reorder``)."""
+    byte_items = [w for w in items if _is_bytes_item(w)]
+    tensor_items = [w for w in items if not _is_bytes_item(w)]
+    if reorder:
+        tensor_items.sort(key=_item_size)
+    return byte_items, tensor_items
+
+
 def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
     """torch's bucketing of a rank's items into ``bins`` files: bytes items
     round-robin, tensors largest first into the lightest bucket."""
@@ -236,10 +246,7 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     stage, stage_device = None, None  # for the CUDA tensors of one device
     for name, items in files:
         path = os.fspath(root / name)
-        byte_items = [w for w in items if _is_bytes_item(w)]
-        tensor_items = [w for w in items if not _is_bytes_item(w)]
-        if reorder:
-            tensor_items.sort(key=_item_size)
+        byte_items, tensor_items = _file_order(items, reorder)
         if not items:
             empty_files.append(path)
         cursor = 0
@@ -313,10 +320,7 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         planner's data is resolved here, in this thread."""
         for name, items in files:
             path = os.fspath(root / name)
-            byte_items = [w for w in items if _is_bytes_item(w)]
-            tensor_items = [w for w in items if not _is_bytes_item(w)]
-            if reorder:
-                tensor_items.sort(key=_item_size)
+            byte_items, tensor_items = _file_order(items, reorder)
             if not items:
                 empty_files.append(path)
             for item in byte_items:

@@ -255,6 +255,36 @@ def _check_job(layout: Any, rank: Any, what: str) -> int:
     return int(rank)
 
 
+def _flat_job(job: Any, what: str, names: tuple[str, str], to_shard: bool) -> tuple:
+    """Check one flatten (``to_shard``: ``(layout, rank, pieces, out)``) or
+    unflatten (``(layout, rank, shard, outs)``) job: the shard-side buffer
+    holds the layout's shard, one parameter-side piece per parameter (or
+    None). Returns ``(layout, rank, shard buffer, pieces)``."""
+    params, shard_name = names
+    if not isinstance(job, tuple) or len(job) != 4:
+        order = f"{params}, {shard_name}" if to_shard else f"{shard_name}, {params}"
+        raise TypeError(f"{what} must be a (layout, rank, {order}) tuple")
+    layout, rank, a, b = job
+    pieces, shard = (a, b) if to_shard else (b, a)
+    rank = _check_job(layout, rank, what)
+    buf = _as_buf(shard, f"{what}: {shard_name}", writable=to_shard)
+    if buf.array.size != layout.shard_numel:
+        raise ValueError(
+            f"{what}: {shard_name} has {buf.array.size} elements, the shard has "
+            f"{layout.shard_numel}"
+        )
+    numels = layout.numels
+    if len(pieces) != len(numels):
+        raise ValueError(f"{what}: {len(pieces)} {params} for {len(numels)} parameters")
+    out = [
+        None
+        if p is None
+        else _piece(p, f"{what}: {params}[{i}]", n, buf.dtype, writable=not to_shard)
+        for i, (p, n) in enumerate(zip(pieces, numels))
+    ]
+    return layout, rank, buf, out
+
+
 def flatten_many(
     jobs: Iterable[tuple[FlatLayout, int, Sequence[Any], Any]],
     *,
@@ -276,25 +306,7 @@ def flatten_many(
     """
     cjobs = []
     for j, job in enumerate(jobs):
-        if not isinstance(job, tuple) or len(job) != 4:
-            raise TypeError(f"flatten job {j} must be a (layout, rank, pieces, out) tuple")
-        layout, rank, pieces, out = job
-        what = f"flatten job {j}"
-        rank = _check_job(layout, rank, what)
-        o = _as_buf(out, f"{what}: out", writable=True)
-        if o.array.size != layout.shard_numel:
-            raise ValueError(
-                f"{what}: out has {o.array.size} elements, the shard has {layout.shard_numel}"
-            )
-        numels = layout.numels
-        if len(pieces) != len(numels):
-            raise ValueError(f"{what}: {len(pieces)} pieces for {len(numels)} parameters")
-        cp = []
-        for i, (p, n) in enumerate(zip(pieces, numels)):
-            if p is None:
-                cp.append(None)
-                continue
-            cp.append(_piece(p, f"{what}: pieces[{i}]", n, o.dtype, writable=False))
+        layout, rank, o, cp = _flat_job(job, f"flatten job {j}", ("pieces", "out"), True)
         value = pad_value
         if value is None:
             value = FLAT_PARAM_PADDING_VALUE if layout.align_numel > 0 else 0
@@ -314,26 +326,7 @@ def unflatten_many(
     it), or None to skip. Only the elements the shard holds are written."""
     cjobs = []
     for j, job in enumerate(jobs):
-        if not isinstance(job, tuple) or len(job) != 4:
-            raise TypeError(f"unflatten job {j} must be a (layout, rank, shard, outs) tuple")
-        layout, rank, shard, outs = job
-        what = f"unflatten job {j}"
-        rank = _check_job(layout, rank, what)
-        s = _as_buf(shard, f"{what}: shard", writable=False)
-        if s.array.size != layout.shard_numel:
-            raise ValueError(
-                f"{what}: shard has {s.array.size} elements, the layout's shard has "
-                f"{layout.shard_numel}"
-            )
-        numels = layout.numels
-        if len(outs) != len(numels):
-            raise ValueError(f"{what}: {len(outs)} outs for {len(numels)} parameters")
-        co = []
-        for i, (p, n) in enumerate(zip(outs, numels)):
-            if p is None:
-                co.append(None)
-                continue
-            co.append(_piece(p, f"{what}: outs[{i}]", n, s.dtype, writable=True))
+        layout, rank, s, co = _flat_job(job, f"unflatten job {j}", ("outs", "shard"), False)
         cjobs.append((layout, rank, s.array.reshape(-1), co, None))
     _core.flat_copy(cjobs, True, _pool_for(None, threads))
 
