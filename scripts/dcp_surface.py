@@ -9,7 +9,12 @@ submodules (names not starting with "_"):
   function the module itself defines; for the package itself, every public
   non-module attribute (what ``import torch.distributed.checkpoint as dcp``
   gives a user);
-- the private names real code imports (PRIVATE below), counted apart.
+- the private names real code imports (PRIVATE below), counted apart;
+- the names a submodule takes from another DCP module by import (``from
+  torch.distributed.checkpoint.filesystem import Metadata`` works): present,
+  and the very object shardstate's own module of that name gives, counted
+  apart; what submodules import from the rest of torch (DTensor, ...) is
+  torch's, not mirrored, and only counted.
 
 For each name: present under the same module path of shardstate.checkpoint,
 and, for callables, with the same signature: torch's parameters with the
@@ -23,6 +28,7 @@ name is present with the same signature.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import pkgutil
@@ -46,15 +52,72 @@ PRIVATE = {
 }
 
 
+def _assigned_names(mod: types.ModuleType) -> set[str]:
+    """Names the module's own source binds at top level (constants)."""
+    try:
+        tree = ast.parse(inspect.getsource(mod))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    out = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        out.update(t.id for t in targets if isinstance(t, ast.Name))
+    return out
+
+
 def public_names(mod: types.ModuleType, is_package: bool) -> list[str]:
     names = set(getattr(mod, "__all__", []))
+    assigned = _assigned_names(mod)
     for n, v in vars(mod).items():
         if n.startswith("_") or isinstance(v, types.ModuleType):
             continue
-        if is_package or ((inspect.isclass(v) or inspect.isfunction(v))
-                          and getattr(v, "__module__", None) == mod.__name__):
+        if is_package or n in assigned or ((inspect.isclass(v) or inspect.isfunction(v))
+                                           and getattr(v, "__module__", None) == mod.__name__):
             names.add(n)
     return sorted(names)
+
+
+def imported_names(mod: types.ModuleType, own: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The public classes and functions ``mod`` imports: {name: the DCP
+    module (under torch.distributed.checkpoint) they come from}, and the
+    names it takes from the rest of torch."""
+    dcp, rest = {}, []
+    for n, v in vars(mod).items():
+        if n.startswith("_") or n in own or not (inspect.isclass(v) or inspect.isfunction(v)):
+            continue
+        origin = getattr(v, "__module__", "") or ""
+        if origin.startswith("torch.distributed.checkpoint."):
+            dcp[n] = origin[len("torch.distributed.checkpoint."):]
+        elif origin.startswith("torch"):
+            rest.append(n)
+    return dcp, rest
+
+
+def compare_imported(sub: str, names: dict[str, str]) -> tuple[int, int, list]:
+    """Present under shardstate's ``sub``, and the object shardstate's own
+    module of the origin's name has (or the package's, for a name it
+    exports)."""
+    try:
+        mod_o = importlib.import_module(f"shardstate.checkpoint.{sub}")
+    except ImportError as e:
+        return 0, 0, [(sub, "*", f"module missing: {e}")]
+    present = same = 0
+    problems = []
+    for n, origin in sorted(names.items()):
+        if not hasattr(mod_o, n):
+            problems.append((sub, n, f"missing (torch's comes from {origin})"))
+            continue
+        present += 1
+        try:
+            home = importlib.import_module(f"shardstate.checkpoint.{origin}")
+        except ImportError:
+            home = importlib.import_module("shardstate.checkpoint")
+        if getattr(home, n, None) is getattr(mod_o, n):
+            same += 1
+        else:
+            problems.append((sub, n, f"not the object shardstate's {origin} has"))
+    return present, same, problems
 
 
 def _default(p: inspect.Parameter) -> Any:
@@ -135,6 +198,8 @@ def main() -> int:
     subs = sorted(m.name for m in pkgutil.iter_modules(dcp.__path__) if not m.name.startswith("_"))
     n_sub_ours = 0
     totals = [0, 0, 0]  # names, present, equal
+    imp = [0, 0, 0]  # names imported from DCP modules, present, the same object
+    from_torch = 0
     problems: list = []
     for sub in ["__init__", *subs]:
         if sub != "__init__":
@@ -151,6 +216,14 @@ def main() -> int:
         totals[1] += p
         totals[2] += e
         problems += probs
+        if sub != "__init__":
+            dcp_imports, rest = imported_names(mod, set(names))
+            from_torch += len(rest)
+            p, e, probs = compare_imported(sub, dcp_imports)
+            imp[0] += len(dcp_imports)
+            imp[1] += p
+            imp[2] += e
+            problems += [(s, n, f"(imported) {w}") for s, n, w in probs]
     priv = [0, 0, 0]
     for sub, names in PRIVATE.items():
         p, e, probs = compare(sub, names, "shardstate.checkpoint", "torch.distributed.checkpoint")
@@ -164,6 +237,9 @@ def main() -> int:
     print(f"public names: {totals[1]} of {totals[0]} present, {totals[2]} with the same signature")
     print(f"private names real code imports: {priv[1]} of {priv[0]} present, "
           f"{priv[2]} with the same signature")
+    print(f"names submodules import from other DCP modules: {imp[1]} of {imp[0]} present, "
+          f"{imp[2]} the same object as shardstate's own module gives "
+          f"({from_torch} imported from the rest of torch, not mirrored)")
     if not args.quiet:
         if EXTRAS:
             print("shardstate's own keyword-only options (torch's calls unchanged):")

@@ -55,6 +55,8 @@ from typing import Any
 
 from .. import io as ssio
 from . import _fs_verify
+from ._extension import ExtensionRegistry as ExtensionRegistry
+from ._extension import StreamTransformExtension as StreamTransformExtension
 from ._fs_bcast import _Schedule, exchange, plan_broadcast, read_shared
 from ._fs_read import _CudaDest, _new_stats, _Reads
 from ._fs_transform import ReaderTransforms, WriterTransforms
@@ -67,6 +69,16 @@ from ._pickle import (
 )
 from ._records import StorageFormatError, _index_key, _Records
 from .metadata import TORCH_TYPES, StorageMeta
+from .metadata import Metadata as Metadata
+from .planner import LoadItemType as LoadItemType
+from .planner import LoadPlan as LoadPlan
+from .planner import LoadPlanner as LoadPlanner
+from .planner import ReadItem as ReadItem
+from .planner import SavePlan as SavePlan
+from .planner import SavePlanner as SavePlanner
+from .planner import WriteItem as WriteItem
+from .planner import WriteItemType as WriteItemType
+from .staging import BlockingAsyncStager as BlockingAsyncStager
 from .staging import _FileSystemWriterStager
 from .storage import StorageReader, StorageWriter, WriteResult, completed_future
 

@@ -39,8 +39,14 @@ from .default_planner import (
     create_read_items_for_chunk_list,
 )
 from .metadata import STATE_DICT_TYPE, ChunkStorageMetadata, Metadata, MetadataIndex
+from .metadata import BytesStorageMetadata as BytesStorageMetadata
+from .metadata import TensorProperties as TensorProperties
+from .metadata import TensorStorageMetadata as TensorStorageMetadata
 from .planner import LoadPlan
+from .planner import LoadPlanner as LoadPlanner
 from .state_dict_loader import _load_state_dict
+from .state_dict_loader import load_state_dict as load_state_dict
+from .storage import StorageReader as StorageReader
 from .utils import _element_wise_add, _element_wise_sub, _normalize_device_info
 
 __all__ = ["load_sharded_optimizer_state_dict"]

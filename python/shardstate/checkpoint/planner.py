@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from ._names import element_size as element_size
 from .metadata import TORCH_TYPES
+from .metadata import ChunkStorageMetadata as ChunkStorageMetadata
+from .metadata import Metadata as Metadata
+from .metadata import MetadataIndex as MetadataIndex
+from .metadata import StorageMeta as StorageMeta
+from .metadata import TensorProperties as TensorProperties
 
 __all__ = [
     "BytesIOWriteData",

@@ -18,8 +18,12 @@ from .default_planner import (
     _merge_delta_local_plans,
     create_read_items_for_chunk_list,
 )
+from .metadata import BytesStorageMetadata as BytesStorageMetadata
 from .metadata import ChunkStorageMetadata, MetadataIndex
+from .metadata import TensorProperties as TensorProperties
+from .metadata import TensorStorageMetadata as TensorStorageMetadata
 from .planner import LoadItemType, ReadItem, SavePlan, WriteItem, WriteItemType
+from .planner import TensorWriteData as TensorWriteData
 
 __all__ = ["create_read_items_for_chunk_list"]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .metadata import ChunkStorageMetadata as ChunkStorageMetadata  # as torch's module has it
+
 __all__: list[str] = []
 
 

@@ -4,17 +4,24 @@ storage reader takes part in a load's collective steps (LoadCollectives)."""
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 from typing import Any, Protocol
 
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
+from .default_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from .logger import _dcp_method_logger
+from .planner import LoadPlan as LoadPlan
+from .planner import LoadPlanner as LoadPlanner
 from .stateful import Stateful
+from .storage import StorageReader as StorageReader
 from .utils import _api_bc_check
 
 __all__ = ["load", "load_state_dict"]
+
+logger = logging.getLogger()  # as torch's module has it
 
 
 def _default_load_planner() -> Any:

@@ -14,10 +14,17 @@ from . import _staging
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
 from .api import _wrap_exception
+from .default_planner import DefaultSavePlanner as DefaultSavePlanner
 from .logger import _dcp_method_logger
 from .metadata import STATE_DICT_TYPE, TORCH_TYPES, Metadata
+from .planner import SavePlan as SavePlan
+from .planner import SavePlanner as SavePlanner
 from .staging import AsyncStager, BlockingAsyncStager
+from .staging import DefaultStager as DefaultStager
+from .staging import StagingOptions as StagingOptions
 from .stateful import Stateful
+from .storage import StorageWriter as StorageWriter
+from .storage import WriteResult as WriteResult
 from .utils import _api_bc_check
 
 __all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "save",

@@ -23,6 +23,13 @@ import sys
 from typing import Any, Generic, TypeVar
 
 from .metadata import TORCH_TYPES
+from .metadata import Metadata as Metadata
+from .metadata import MetadataIndex as MetadataIndex
+from .metadata import StorageMeta as StorageMeta
+from .planner import LoadPlan as LoadPlan
+from .planner import LoadPlanner as LoadPlanner
+from .planner import SavePlan as SavePlan
+from .planner import SavePlanner as SavePlanner
 
 __all__ = ["StorageReader", "StorageWriter", "WriteResult", "completed_future"]
 

@@ -17,6 +17,7 @@ from ._dist import _Coordinator
 from ._tensors import find_state_dict_object, find_tensor_shard
 from .api import CheckpointException as CheckpointException
 from .api import _get_failure_dict as _get_failure_dict
+from .metadata import MetadataIndex as MetadataIndex  # as torch's module has it
 
 __all__ = ["find_state_dict_object", "find_tensor_shard"]
 
