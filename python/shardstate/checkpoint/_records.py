@@ -67,6 +67,27 @@ def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
     return (index.fqn, None if off is None else tuple(off))
 
 
+def open_regular(path: str | os.PathLike, what: str) -> int:
+    """A read-only descriptor of ``path`` (symlinks followed), refused with
+    StorageFormatError unless it is a regular file: opened with O_NONBLOCK, so
+    a FIFO does not block waiting for a writer, then checked with fstat (a
+    directory, a device or a FIFO is refused), then set blocking again (the
+    flag means nothing to a regular file). FileNotFoundError if missing."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "not a plain file")
+            raise StorageFormatError(f"{what} {os.fspath(path)} is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 # --------------------------------------------------------------------------
 # Record plans (writer and recognition)
 # --------------------------------------------------------------------------
@@ -387,7 +408,7 @@ class _Records:
             j = i
             while j < len(reqs) and reqs[j].file is f:
                 j += 1
-            with open(f.path, "rb") as fh:
+            with os.fdopen(open_regular(f.path, "checkpoint data file"), "rb") as fh:
                 if os.fstat(fh.fileno()).st_size < f.size:
                     raise StorageFormatError(f"{f.path} shrank while being read")
                 mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
