@@ -28,6 +28,8 @@ from shardstate.checkpoint import load, save
 from shardstate.checkpoint.api import CheckpointException
 from shardstate.checkpoint.filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def _metadata_names(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path) if re.fullmatch(r"(__[0-9]+)?\.metadata", n))
@@ -113,6 +115,31 @@ def _mixed(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_mixed_mode_saves_never_load_the_other_save(tmp_path, run_distributed, world_size):
     run_distributed(_mixed, world_size, str(tmp_path))
+
+
+def test_metadata_over_another_saves_data_is_refused(tmp_path):
+    # Each tensor's storage entry carries its data's CRC-32; a data file of
+    # another save of the same layout (copied in, or left by a mixed save)
+    # no longer matches the metadata and the load is refused, not wrong.
+    a, b = tmp_path / "a", tmp_path / "b"
+    save(_sd(100), storage_writer=FileSystemWriter(a))
+    save(_sd(1000), storage_writer=FileSystemWriter(b))
+    (a / "__0_0.distcp").write_bytes((b / "__0_0.distcp").read_bytes())
+    out = _zeros()
+    with pytest.raises(CheckpointException, match="not written with this data file"):
+        load(out, storage_reader=FileSystemReader(a))
+    # torch's own reader ignores the entry, and torch's metadata (without
+    # one) loads in shardstate: the files are torch's, both ways.
+    import torch.distributed.checkpoint as tdcp
+
+    out = _zeros()
+    tdcp.load(out, storage_reader=tdcp.FileSystemReader(b))
+    assert _equal(out, _sd(1000))
+    c = tmp_path / "c"
+    tdcp.save(_sd(7), storage_writer=tdcp.FileSystemWriter(c))
+    out = _zeros()
+    load(out, storage_reader=FileSystemReader(c))
+    assert _equal(out, _sd(7))
 
 
 # --------------------------------------------------------------------------

@@ -56,6 +56,27 @@ StorageFormatError.__module__ = "shardstate.checkpoint.filesystem"
 RECORD_SLACK = 64 << 10
 
 
+# The CRC-32 of a tensor record's data, as the writer computed it, kept in
+# the record's storage entry in the metadata (an attribute torch's
+# _StorageInfo does not declare: torch's reader carries it along unused,
+# shardstate's reader checks it against the record's own CRC). Data files
+# stay byte for byte torch's, so this is what binds a metadata file to the
+# data it was written with: over the data of another save (two saves mixed
+# in one directory, a file copied in) the CRCs disagree and the load is
+# refused. Metadata written by torch has none: nothing to check.
+DATA_CRC_ATTR = "shardstate_crc32"
+
+
+def _check_crc(r: _Req, rec: _Rec) -> _Rec:
+    want = getattr(r.info, DATA_CRC_ATTR, None)
+    if want is not None and want != rec.data_crc32:
+        raise StorageFormatError(
+            f"{r.where()}: the record's data CRC-32 is {rec.data_crc32:#010x} but the metadata "
+            f"says {want:#010x}: this metadata was not written with this data file (two saves "
+            "mixed in one directory?); refused")
+    return rec
+
+
 def transforms(info: Any) -> Any:
     """An item's ``transform_descriptors`` (None or empty: stored as it is)."""
     return getattr(info, "transform_descriptors", None)
@@ -396,7 +417,7 @@ class _Records:
         transforms gave), recognised as ``parse`` does; its data offset is
         an offset in ``buf``."""
         rec = self.expected(buf, r, 0, len(buf))
-        return rec if rec is not None else _parsed(buf, r, 0, len(buf))
+        return _check_crc(r, rec if rec is not None else _parsed(buf, r, 0, len(buf)))
 
     def parse(self, reqs: list[_Req]) -> list[_Rec]:
         """Locates each tensor record's data through a read-only mapping of
@@ -417,7 +438,7 @@ class _Records:
                     rec = self.expected(mm, r)
                     if rec is None:
                         rec = _parsed(mm, r)
-                    infos.append(rec)
+                    infos.append(_check_crc(r, rec))
             finally:
                 try:
                     mm.close()

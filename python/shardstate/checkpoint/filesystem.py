@@ -21,9 +21,14 @@ and publish. The work is done by:
 * ``_fs_transform``: items written through stream transforms
   (``_extensions`` / ``_extension_registry``, torch's ``_extension``).
 
-``finish`` publishes ``.metadata`` atomically, last; with ``overwrite`` the
-old one is removed in ``prepare_local_plan``, before any data file is
-touched. ``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's
+``finish`` publishes ``.metadata`` (``__{rank}.metadata`` without
+collectives) atomically, last; with ``overwrite`` every metadata file of an
+earlier save, of either mode, is removed in ``prepare_local_plan``, before
+any data file is touched (``_stale_metadata``), and each tensor's storage
+entry carries its data's CRC-32 (``_records.DATA_CRC_ATTR``), so a load never
+takes one save's metadata over another's data. A load opens only regular
+files (``_records.open_regular``: a FIFO, device or directory is refused).
+``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's
 bytes, no torch needed) and read by ``_pickle.loads_metadata``
 (restricted); bytes items are checked with ``_pickle.loads_object`` before a
 planner sees them.
