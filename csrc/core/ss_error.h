@@ -26,7 +26,8 @@
     X(SS_ENOTAVAIL, -1007, "feature or library not available")                 \
     X(SS_EINTERNAL, -1008, "internal error")                                   \
     X(SS_ESHORT, -1009, "unexpected end of file")                              \
-    X(SS_EDEVICE, -1010, "a device (CUDA) runtime call failed")
+    X(SS_EDEVICE, -1010, "a device (CUDA) runtime call failed")                \
+    X(SS_ENOTREG, -1011, "not a regular file")
 
 enum {
 #define SS__ENUM(name, value, msg) name = value,

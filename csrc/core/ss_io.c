@@ -405,8 +405,11 @@ static int open_files(batch *b, size_t npaths, size_t njobs)
             ends[job_file(b, j)] = end;
     }
     for (size_t f = 0; f < npaths; f++) {
+        /* O_NONBLOCK on reads: opening a FIFO must not wait for a writer
+         * (fsize then refuses anything but a regular file, on which the
+         * flag has no effect). */
         int flags = b->w != NULL ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
-                                 : O_RDONLY | O_CLOEXEC;
+                                 : O_RDONLY | O_CLOEXEC | O_NONBLOCK;
         RETRY(rc, os->open(os, b->paths[f], flags, 0666));
         if (rc < 0) {
             record(b, rc, "open", b->paths[f], -1, -1);

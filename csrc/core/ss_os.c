@@ -69,6 +69,10 @@ static int px_fsize(const ss_os *os, int fd, int64_t *size)
     (void)os;
     if (fstat(fd, &st) < 0)
         return -errno;
+    /* Only a regular file has a size worth trusting: a FIFO, a device or a
+     * directory read as checkpoint data would block, never end or fail. */
+    if (!S_ISREG(st.st_mode))
+        return SS_ENOTREG;
     *size = (int64_t)st.st_size;
     return 0;
 }

@@ -43,7 +43,8 @@ struct ss_os {
     int64_t (*preadv)(const ss_os *os, int fd, const struct iovec *iov,
                       int iovcnt, int64_t off);
     int (*fsync)(const ss_os *os, int fd);
-    int (*fsize)(const ss_os *os, int fd, int64_t *size); /* fstat size */
+    /* fstat size; SS_ENOTREG for anything but a regular file. */
+    int (*fsize)(const ss_os *os, int fd, int64_t *size);
     int (*ftruncate)(const ss_os *os, int fd, int64_t size);
     int (*rename)(const ss_os *os, const char *from, const char *to);
     int (*unlink)(const ss_os *os, const char *path);

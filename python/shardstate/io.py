@@ -182,10 +182,11 @@ def read(
     CRC-32. With ``verify``, a job whose ``crc`` is set and differs raises
     ChecksumError (with ``path``, ``offset`` and ``job`` attributes). With
     ``checksum=False`` only verified jobs are checksummed; the others report
-    0. A job reaching past the end of its file raises ShardstateError
-    before anything is read. Jobs marked ``device`` are read into ``stage``'s
-    buffers, checked there, and copied to their ``out``; the call returns
-    once every copy is done."""
+    0. A job reaching past the end of its file, or reading anything but a
+    regular file (a FIFO, a device, a directory: opened without blocking,
+    then refused), raises ShardstateError before anything is read. Jobs
+    marked ``device`` are read into ``stage``'s buffers, checked there, and
+    copied to their ``out``; the call returns once every copy is done."""
     jobs = list(jobs)
     paths, idx = _file_table(job.path for job in jobs)
     crcs = [job.crc for job in jobs]

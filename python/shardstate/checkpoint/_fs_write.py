@@ -39,7 +39,7 @@ from .. import io as ssio
 from .._core import ShardstateError, crc32
 from .._util import import_torch
 from ._fs_transform import Encoded, WriterTransforms
-from ._records import _record_plan, _Trailer
+from ._records import DATA_CRC_ATTR, _record_plan, _Trailer
 from .metadata import _StorageInfo
 from .planner import element_size
 from .storage import WriteResult
@@ -241,6 +241,7 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     jobs: list[ssio.WriteJob] = []
     trailers: list[_PendingTrailer] = []
     results: list[WriteResult] = []
+    data_jobs: list[tuple[Any, int]] = []  # (a tensor's storage info, its data job)
     empty_files: list[str] = []
     keep: list[Any] = []  # tensors whose memory the jobs point into
     stage, stage_device = None, None  # for the CUDA tensors of one device
@@ -276,6 +277,8 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
             )
             length = rec.data_offset + rec.data_length + len(trailer.template)
             results.append(_result(item, name, cursor, length))
+            if rec.data_length:
+                data_jobs.append((results[-1].storage_data, len(jobs) - 1))
             cursor += length
     # With sync_files, each piece's writeback starts as soon as it is
     # written: the disk works while the rest is copied, and the fsync
@@ -287,6 +290,8 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     crcs = ssio.write(jobs, fsync=False, checksum=True, writeback=sync_files,
                       stage=stage, stream=stream) if jobs else []
     del keep
+    for info, j in data_jobs:
+        setattr(info, DATA_CRC_ATTR, crcs[j])
     written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
     _finish_files(written, trailers, crcs, empty_files, sync_files)
     return results

@@ -56,6 +56,27 @@ StorageFormatError.__module__ = "shardstate.checkpoint.filesystem"
 RECORD_SLACK = 64 << 10
 
 
+# The CRC-32 of a tensor record's data, as the writer computed it, kept in
+# the record's storage entry in the metadata (an attribute torch's
+# _StorageInfo does not declare: torch's reader carries it along unused,
+# shardstate's reader checks it against the record's own CRC). Data files
+# stay byte for byte torch's, so this is what binds a metadata file to the
+# data it was written with: over the data of another save (two saves mixed
+# in one directory, a file copied in) the CRCs disagree and the load is
+# refused. Metadata written by torch has none: nothing to check.
+DATA_CRC_ATTR = "shardstate_crc32"
+
+
+def _check_crc(r: _Req, rec: _Rec) -> _Rec:
+    want = getattr(r.info, DATA_CRC_ATTR, None)
+    if want is not None and want != rec.data_crc32:
+        raise StorageFormatError(
+            f"{r.where()}: the record's data CRC-32 is {rec.data_crc32:#010x} but the metadata "
+            f"says {want:#010x}: this metadata was not written with this data file (two saves "
+            "mixed in one directory?); refused")
+    return rec
+
+
 def transforms(info: Any) -> Any:
     """An item's ``transform_descriptors`` (None or empty: stored as it is)."""
     return getattr(info, "transform_descriptors", None)
@@ -65,6 +86,27 @@ def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
     """A MetadataIndex (torch's or ours) as a plain hashable key."""
     off = index.offset
     return (index.fqn, None if off is None else tuple(off))
+
+
+def open_regular(path: str | os.PathLike, what: str) -> int:
+    """A read-only descriptor of ``path`` (symlinks followed), refused with
+    StorageFormatError unless it is a regular file: opened with O_NONBLOCK, so
+    a FIFO does not block waiting for a writer, then checked with fstat (a
+    directory, a device or a FIFO is refused), then set blocking again (the
+    flag means nothing to a regular file). FileNotFoundError if missing."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "not a plain file")
+            raise StorageFormatError(f"{what} {os.fspath(path)} is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # --------------------------------------------------------------------------
@@ -375,7 +417,7 @@ class _Records:
         transforms gave), recognised as ``parse`` does; its data offset is
         an offset in ``buf``."""
         rec = self.expected(buf, r, 0, len(buf))
-        return rec if rec is not None else _parsed(buf, r, 0, len(buf))
+        return _check_crc(r, rec if rec is not None else _parsed(buf, r, 0, len(buf)))
 
     def parse(self, reqs: list[_Req]) -> list[_Rec]:
         """Locates each tensor record's data through a read-only mapping of
@@ -387,7 +429,7 @@ class _Records:
             j = i
             while j < len(reqs) and reqs[j].file is f:
                 j += 1
-            with open(f.path, "rb") as fh:
+            with os.fdopen(open_regular(f.path, "checkpoint data file"), "rb") as fh:
                 if os.fstat(fh.fileno()).st_size < f.size:
                     raise StorageFormatError(f"{f.path} shrank while being read")
                 mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
@@ -396,7 +438,7 @@ class _Records:
                     rec = self.expected(mm, r)
                     if rec is None:
                         rec = _parsed(mm, r)
-                    infos.append(rec)
+                    infos.append(_check_crc(r, rec))
             finally:
                 try:
                     mm.close()

@@ -21,9 +21,14 @@ and publish. The work is done by:
 * ``_fs_transform``: items written through stream transforms
   (``_extensions`` / ``_extension_registry``, torch's ``_extension``).
 
-``finish`` publishes ``.metadata`` atomically, last; with ``overwrite`` the
-old one is removed in ``prepare_local_plan``, before any data file is
-touched. ``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's
+``finish`` publishes ``.metadata`` (``__{rank}.metadata`` without
+collectives) atomically, last; with ``overwrite`` every metadata file of an
+earlier save, of either mode, is removed in ``prepare_local_plan``, before
+any data file is touched (``_stale_metadata``), and each tensor's storage
+entry carries its data's CRC-32 (``_records.DATA_CRC_ATTR``), so a load never
+takes one save's metadata over another's data. A load opens only regular
+files (``_records.open_regular``: a FIFO, device or directory is refused).
+``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's
 bytes, no torch needed) and read by ``_pickle.loads_metadata``
 (restricted); bytes items are checked with ``_pickle.loads_object`` before a
 planner sees them.
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
+import re
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -67,7 +72,7 @@ from ._pickle import (
     dumps_metadata,
     loads_metadata,
 )
-from ._records import StorageFormatError, _index_key, _Records
+from ._records import StorageFormatError, _index_key, _Records, open_regular
 from .metadata import TORCH_TYPES, StorageMeta
 from .metadata import Metadata as Metadata
 from .planner import LoadItemType as LoadItemType
@@ -97,6 +102,8 @@ __all__ = [
 ]
 
 _METADATA_FN = ".metadata"
+# A rank's own metadata, written by a save without collectives.
+_RANK_METADATA = re.compile(r"__[0-9]+\.metadata")
 DEFAULT_SUFFIX = ".distcp"
 CURRENT_DCP_VERSION = "1.0.0"
 
@@ -223,30 +230,51 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
             return self._metadata_path(self.rank)
         return self._metadata_path()
 
+    def _stale_metadata(self) -> list[Path]:
+        """The metadata files of an earlier save that this rank removes
+        before any data file of this save is written, so none of them ever
+        describes new, partial data: with collectives, the coordinator removes
+        ``.metadata`` and every ``__{k}.metadata`` (the other ranks write only
+        after the global plan, which needs the coordinator's local plan
+        first); without, each rank removes ``.metadata`` (it names this rank's
+        files too) and its own ``__{rank}.metadata`` (another rank's may
+        already be this save's)."""
+        if not self.use_collectives and self.rank is not None:
+            return [self._metadata_path(), self._metadata_path(self.rank)]
+        if not self.is_coordinator:
+            return []
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            names = []
+        return [self._metadata_path()] + [self.path / n for n in sorted(names)
+                                          if _RANK_METADATA.fullmatch(n)]
+
     def prepare_local_plan(self, plan: Any) -> Any:
         self.path.mkdir(parents=True, exist_ok=True)
         probe = self._metadata_path(None if self.use_collectives else 0)
-        if probe.exists():
+        stale = self._stale_metadata()
+        # Without overwrite, an earlier save of the other mode counts too.
+        found = probe if probe.exists() else next((p for p in stale if p.exists()), None)
+        if found is not None:
             if not self.overwrite:
                 raise RuntimeError(
-                    f"Checkpoint already exists in {self.path} ({probe.name}) and overwrite=False."
+                    f"Checkpoint already exists in {self.path} ({found.name}) and overwrite=False."
                 )
             warnings.warn(
                 f"Detected an existing checkpoint in {self.path}, overwriting since "
                 "overwrite=True.",
                 stacklevel=2,
             )
-        # Remove our old .metadata before any data file is touched, so it never
-        # describes new, partial data. Other ranks write only after the global
-        # plan, which needs this (the coordinator's) local plan first.
-        if self.is_coordinator or not self.use_collectives:
-            own = self._own_metadata_path()
+        removed = False
+        for p in stale:
             try:
-                own.unlink()
+                p.unlink()
             except FileNotFoundError:
-                pass
-            else:
-                _fsync_dir(self.path)
+                continue
+            removed = True
+        if removed:
+            _fsync_dir(self.path)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -391,15 +419,13 @@ class FileSystemReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._metadata_path(kwargs.get("rank"))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(path, "checkpoint metadata")
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"no checkpoint metadata at {path} (incomplete or missing checkpoint)"
             ) from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise StorageFormatError(f"{path} is not a regular file")
             if not 0 < st.st_size <= _MAX_METADATA_BYTES:
                 raise StorageFormatError(
                     f"{path} is {st.st_size} bytes, expected 1..{_MAX_METADATA_BYTES}"

@@ -91,7 +91,7 @@ _F_STORAGE_META = _Fields(
     (),
 )
 _F_STORAGE_INFO = _Fields(
-    frozenset({'length', 'offset', 'relative_path', 'transform_descriptors'}),
+    frozenset({'length', 'offset', 'relative_path', 'shardstate_crc32', 'transform_descriptors'}),
     ('relative_path', 'offset', 'length'),
 )
 
@@ -375,6 +375,9 @@ class _Builder:
         if td is not None:
             if type(td) not in (list, tuple) or not all(type(x) is str for x in td):
                 raise self.fail("_StorageInfo.transform_descriptors is not a list of str")
+        crc = st.get("shardstate_crc32")  # shardstate's binding of metadata to data (_records)
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+            raise self.fail("_StorageInfo.shardstate_crc32 is not a 32-bit unsigned int")
         return self.new(_StorageInfo, st)
 
 
