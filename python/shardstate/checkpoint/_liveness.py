@@ -26,8 +26,9 @@ until the group's timeout (30 min by default) on the others. Here:
   a slice. Calls are numbered per group by ``Guard.session``; every rank of
   a group makes the same calls in the same order.
 
-Cost on the normal path: one helper thread per collective; one store op at
-a process's first call; nothing per item. A rank that is declared gone
+Cost on the normal path: a hand-off to a helper thread per collective (one
+thread per calling thread, reused); one store op at a process's first
+call; nothing per item. A rank that is declared gone
 leaves its collective running in the helper thread (until the group's own
 timeout); the group is unusable by then anyway.
 
@@ -38,9 +39,11 @@ time; the heartbeat registry and the call counters have their own lock.
 from __future__ import annotations
 
 import pickle
+import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -103,6 +106,45 @@ def shared(e: CheckpointException) -> CheckpointException:
 
 def is_shared(e: BaseException) -> bool:
     return getattr(e, "_shared", False) is True
+
+
+class _Worker:
+    """The helper thread running one calling thread's collectives, one at a
+    time. It ends once that thread no longer holds it (the thread ended, or
+    abandoned it in a collective that will not complete), after its job."""
+
+    def __init__(self) -> None:
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs = jobs
+        threading.Thread(target=_serve, args=(jobs,), name="shardstate-collective",
+                         daemon=True).start()
+        weakref.finalize(self, jobs.put, None)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        del job
+
+
+_local = threading.local()
+
+
+def _worker() -> _Worker:
+    w = getattr(_local, "worker", None)
+    if w is None:
+        w = _local.worker = _Worker()
+    return w
+
+
+def _abandon() -> None:
+    _local.worker = None
 
 
 def _device_setter() -> Callable[[], None]:
@@ -187,14 +229,18 @@ class Guard:
             finally:
                 done.set()
 
-        threading.Thread(target=work, name="shardstate-collective", daemon=True).start()
-        if not done.wait(_TICK):
-            self._seen.clear()
-            start = time.monotonic()
-            while not done.wait(_TICK):
-                waited = time.monotonic() - start
-                self._look(step, all_ranks=self.rank == self.coordinator_rank
-                           or waited >= _WATCH_ALL_AFTER)
+        _worker().submit(work)
+        try:
+            if not done.wait(_TICK):
+                self._seen.clear()
+                start = time.monotonic()
+                while not done.wait(_TICK):
+                    waited = time.monotonic() - start
+                    self._look(step, all_ranks=self.rank == self.coordinator_rank
+                               or waited >= _WATCH_ALL_AFTER)
+        except BaseException:
+            _abandon()  # its thread stays in the collective; the next gets a new one
+            raise
         if "error" in box:
             self._failed(step, box["error"])
         return box["value"]
@@ -235,9 +281,9 @@ class Guard:
                 f"its peers are alive: {type(e).__name__}: {e}"))})) from e
         if gone:
             failures = {r: _wrap_exception(RuntimeError(
-                f"rank {r}{self._global(r)} is gone: its heartbeat stopped {secs:.0f} s "
-                f"before step '{step}' gave up waiting for it (it died, was killed, or "
-                f"stopped running)")) for r, secs in sorted(gone.items())}
+                f"rank {r}{self._global(r)} is gone: no heartbeat for {secs:.0f} s while step "
+                f"'{step}' waited for it (it died, was killed, or stopped running)"))
+                for r, secs in sorted(gone.items())}
             self._publish(step, failures)
             raise shared(CheckpointException(step, failures))
 
