@@ -46,6 +46,8 @@ def load(
     Same signature and behaviour as ``torch.distributed.checkpoint.load``:
     tensors are filled in place, other values replaced, and top-level
     Stateful values get ``load_state_dict`` called with what was loaded.
+    Any rank's failure, that call included (where torch lets the other
+    ranks return), raises :class:`CheckpointException` on every rank.
     """
     reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
     coord = _coordinator(process_group, no_dist)
