@@ -74,6 +74,25 @@ def test_hung_rank_times_out_instead_of_hanging():
     assert mp.active_children() == []
 
 
+def _crash_rank1_others_wait(rank, world_size):
+    if rank == 1:
+        os._exit(5)
+    time.sleep(2)  # past the grace the helper gives the others after a failure
+    return rank * 10
+
+
+def test_may_fail_tolerates_a_rank_that_dies_on_purpose():
+    out = run_distributed(_crash_rank1_others_wait, 3, timeout=60, may_fail={1})
+    assert out[0] == 0 and out[2] == 20
+    assert isinstance(out[1], str) and "exited with code 5" in out[1]
+    assert mp.active_children() == []
+    with pytest.raises(DistributedTestError) as info:  # only the named ranks may fail
+        run_distributed(_crash_on_last, 2, timeout=60, may_fail={0})
+    assert "exited with code 3" in info.value.failures[1]
+    with pytest.raises(ValueError, match="may_fail"):
+        run_distributed(_allreduce, 2, may_fail={2})
+
+
 def test_crashed_rank_is_named_with_exit_code():
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_crash_on_last, 2, timeout=60)

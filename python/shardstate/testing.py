@@ -25,6 +25,12 @@ crash, ``os._exit``) is named with its exit code. If the run exceeds
 and is killed, so a hung collective fails the test instead of hanging the
 suite. Nothing is left running afterwards.
 
+A test of what survives a failing rank names it in ``may_fail``: such a rank
+may raise or die (``os._exit``, a signal) without failing the run, and its
+entry in the result is then the reason, a ``str``; the other ranks are
+waited for as long as ``timeout`` allows, and report their value before
+their group is destroyed (destroying a group with a peer gone may block).
+
 The module is also a pytest plugin: it provides the ``run_distributed``
 fixture (the same function, with the timeout taken from the
 ``distributed_timeout`` marker if present).
@@ -40,7 +46,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = ["DistributedTestError", "run_distributed"]
@@ -73,6 +79,7 @@ def _child(
     args: tuple,
     kwargs: dict,
     results: Any,
+    report_first: bool = False,
 ) -> None:
     # Stack dumps on request from the parent when the run times out.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -97,9 +104,13 @@ def _child(
         )
         try:
             value = fn(rank, world_size, *args, **kwargs)
+            if report_first:
+                # a peer may be gone, which can block the group's teardown
+                results.put(("ok", rank, value))
         finally:
             dist.destroy_process_group()
-        results.put(("ok", rank, value))
+        if not report_first:
+            results.put(("ok", rank, value))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put(("error", rank, traceback.format_exc()))
     # Flush the queue's feeder thread before the process exits.
@@ -133,18 +144,23 @@ def run_distributed(
     *args: Any,
     timeout: float = _DEFAULT_TIMEOUT,
     backend: str = "gloo",
+    may_fail: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     Returns the ranks' return values in rank order; raises
     :class:`DistributedTestError` if any rank raises, crashes, or the whole
-    run takes longer than ``timeout`` seconds.
+    run takes longer than ``timeout`` seconds. A rank in ``may_fail`` that
+    raises or dies does not fail the run: its entry is the reason (a str).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
+    may_fail = frozenset(may_fail)
+    if not may_fail <= set(range(world_size)):
+        raise ValueError(f"may_fail names ranks outside 0..{world_size - 1}: {sorted(may_fail)}")
     import datetime
 
     import torch.distributed as dist
@@ -163,13 +179,13 @@ def run_distributed(
             p = ctx.Process(
                 target=_child,
                 args=(fn, rank, world_size, host, store.port, backend, timeout,
-                      args, kwargs, results),
+                      args, kwargs, results, bool(may_fail)),
                 name=f"shardstate-rank{rank}",
                 daemon=True,
             )
             p.start()
             procs.append(p)
-        return _collect(procs, results, world_size, timeout)
+        return _collect(procs, results, world_size, timeout, may_fail)
     finally:
         _kill_all(procs, dump_stacks=False)
         results.close()
@@ -177,7 +193,8 @@ def run_distributed(
         del store
 
 
-def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float,
+             may_fail: frozenset[int] = frozenset()) -> list[Any]:
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -208,8 +225,9 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             values[rank] = payload
         else:
             failures[rank] = payload
-            # Give the other ranks a moment, then stop waiting for them.
-            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+            if rank not in may_fail:
+                # Give the other ranks a moment, then stop waiting for them.
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
 
     missing = [r for r in range(world_size) if r not in values and r not in failures]
     if missing:
@@ -218,11 +236,13 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             "stopped waiting after another rank failed")
         for r in missing:
             failures[r] = f"rank {r} {reason} (its stacks, if any, are in the captured stderr)"
-    if failures:
+    if any(r not in may_fail for r in failures):
         raise DistributedTestError(_format(failures, world_size), failures)
-    for p in procs:
-        p.join(5.0)
-    return [values[r] for r in range(world_size)]
+    if not may_fail:
+        for p in procs:
+            p.join(5.0)
+    # (with may_fail, a survivor's teardown may block: run_distributed kills it)
+    return [values[r] if r in values else failures[r] for r in range(world_size)]
 
 
 def _format(failures: dict[int, str], world_size: int) -> str:

@@ -7,14 +7,22 @@ on any rank is caught, carried to the coordinator, and re-raised on *every*
 rank as one :class:`CheckpointException` naming the failing ranks and their
 causes. Because every rank always reaches the same collective, a failure
 can't strand the others in a collective that never completes.
+
+A rank that dies (SystemExit leaving the call, ``os._exit``, a signal) never
+reaches it: on a group of 2+ ranks every collective here is a bounded wait
+(``_liveness``) that tells a dead peer from a slow one by its heartbeat, and
+every survivor raises CheckpointException naming the rank that is gone.
+``session()`` marks one checkpoint call (save, load).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._util import import_torch
+from ._liveness import Guard, is_shared
 from .api import CheckpointException, _get_failure_dict, _wrap_exception
 
 T = TypeVar("T")
@@ -52,6 +60,9 @@ class _Coordinator:
             self.world_size = 1
             self.global_coordinator_rank = 0
         self.is_coordinator = self.rank == coordinator_rank
+        self._step = "collective"  # the step the next collective belongs to
+        self._guard: Guard | None = None
+        self._guarded = False  # whether _guard has been made (it may be None)
 
     def get_rank(self) -> int:
         return self.rank
@@ -59,13 +70,35 @@ class _Coordinator:
     def get_world_size(self) -> int:
         return self.world_size
 
+    # ---- liveness (a group of 2+ ranks)
+
+    def _liveness(self) -> Guard | None:
+        if not self._guarded:
+            self._guarded = True
+            if self.use_dist and self.world_size > 1:
+                self._guard = Guard.make(self._dist, self.group, self.rank,
+                                         self.coordinator_rank)
+        return self._guard
+
+    def session(self) -> contextlib.AbstractContextManager[None]:
+        """``with coord.session():`` one checkpoint call, from before its
+        first step to after its last (re-entrant)."""
+        guard = self._liveness()
+        return contextlib.nullcontext() if guard is None else guard.session()
+
+    def _wait(self, fn: Callable[[], T]) -> T:
+        """A collective of this group, as a bounded wait where there are peers."""
+        guard = self._liveness()
+        return fn() if guard is None else guard.run(self._step, fn)
+
     # ---- object collectives (no-ops without a group)
 
     def gather_object(self, obj: T) -> list[T] | None:
         if not self.use_dist:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        self._dist.gather_object(obj, out, dst=self.global_coordinator_rank, group=self.group)
+        self._wait(lambda: self._dist.gather_object(obj, out, dst=self.global_coordinator_rank,
+                                                    group=self.group))
         return out
 
     def scatter_object(self, objs: list[T] | None) -> T:
@@ -73,27 +106,29 @@ class _Coordinator:
             assert objs is not None
             return objs[0]
         out: list[Any] = [None]
-        self._dist.scatter_object_list(out, objs if self.is_coordinator else None,
-                                       src=self.global_coordinator_rank, group=self.group)
+        self._wait(lambda: self._dist.scatter_object_list(
+            out, objs if self.is_coordinator else None, src=self.global_coordinator_rank,
+            group=self.group))
         return out[0]
 
     def broadcast_object(self, obj: T | None) -> T:
         if not self.use_dist:
             return obj  # type: ignore[return-value]
         box = [obj]
-        self._dist.broadcast_object_list(box, src=self.global_coordinator_rank, group=self.group)
+        self._wait(lambda: self._dist.broadcast_object_list(
+            box, src=self.global_coordinator_rank, group=self.group))
         return box[0]  # type: ignore[return-value]
 
     def all_gather_object(self, obj: T) -> list[T]:
         if not self.use_dist:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
+        self._wait(lambda: self._dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def barrier(self) -> None:
         if self.use_dist:
-            self._dist.barrier(group=self.group)
+            self._wait(lambda: self._dist.barrier(group=self.group))
 
     # ---- bulk transport for load-once-broadcast (the reader's exchange)
 
@@ -101,11 +136,15 @@ class _Coordinator:
         """Whether any rank passed True (every rank must call it)."""
         if not self.use_dist:
             return failed
-        torch = import_torch()
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int64,
-                            device=self._transport_device())
-        self._dist.all_reduce(flag, group=self.group)
-        return int(flag.item()) > 0
+
+        def reduce() -> bool:
+            torch = import_torch()
+            flag = torch.tensor([1 if failed else 0], dtype=torch.int64,
+                                device=self._transport_device())
+            self._dist.all_reduce(flag, group=self.group)
+            return int(flag.item()) > 0
+
+        return self._wait(reduce)
 
     def broadcast_bytes(self, buf: Any, src: int) -> None:
         """Broadcasts a contiguous uint8 NumPy buffer, in place, from group
@@ -118,14 +157,17 @@ class _Coordinator:
             return
         from .. import comm
 
-        t = import_torch().from_numpy(buf)
-        dev = self._transport_device()
-        if dev == "cpu":
-            comm.broadcast(t, src, self.group)
-            return
-        staged = t.to(dev)
-        comm.broadcast(staged, src, self.group)
-        t.copy_(staged.cpu())
+        def send() -> None:
+            t = import_torch().from_numpy(buf)
+            dev = self._transport_device()
+            if dev == "cpu":
+                comm.broadcast(t, src, self.group)
+                return
+            staged = t.to(dev)
+            comm.broadcast(staged, src, self.group)
+            t.copy_(staged.cpu())
+
+        self._wait(send)
 
     def _transport_device(self) -> Any:
         backend = str(self._dist.get_backend(self.group))
@@ -141,12 +183,15 @@ class _Coordinator:
         try:
             return fn()
         except BaseException as e:  # noqa: BLE001 - carried to every rank
+            if is_shared(e):
+                raise  # a peer is gone: every rank knows already
             return _wrap_exception(e)
 
     def reduce_scatter(self, step: str, map_fun: Callable[[], T],
                        reduce_fun: Callable[[list[T]], list[R]]) -> R:
         """map_fun on every rank; reduce_fun on the coordinator over all
         results; rank i receives element i of its output."""
+        self._step = step
         gathered = self.gather_object(self._run(map_fun))
         outputs: list[Any] | None = None
         if self.is_coordinator:
@@ -173,6 +218,7 @@ class _Coordinator:
                    reduce_fun: Callable[[list[T]], R]) -> R:
         """map_fun on every rank; reduce_fun on the coordinator; its result
         broadcast to every rank."""
+        self._step = step
         gathered = self.gather_object(self._run(map_fun))
         result: Any = None
         if self.is_coordinator:
@@ -191,6 +237,7 @@ class _Coordinator:
 
     def all_gather(self, step: str, map_fun: Callable[[], T]) -> list[T]:
         """map_fun on every rank; every rank gets all results."""
+        self._step = step
         results = self.all_gather_object(self._run(map_fun))
         failures = _get_failure_dict(results)
         if failures:
@@ -199,6 +246,7 @@ class _Coordinator:
 
     def broadcast(self, step: str, map_fun: Callable[[], T]) -> T:
         """map_fun on the coordinator; its result on every rank."""
+        self._step = step
         result: Any = None
         if self.is_coordinator:
             result = self._run(map_fun)
@@ -208,3 +256,23 @@ class _Coordinator:
         if isinstance(result, CheckpointException):
             raise result
         return result
+
+    def agree(self, step: str, fn: Callable[[], None]) -> None:
+        """fn() on every rank, then one small all-reduce: when it raised on
+        any rank, every rank raises one CheckpointException naming each
+        failing rank (what runs after a call's last step, such as a
+        Stateful's load_state_dict, would otherwise fail on that rank
+        alone). Without a group, fn's exception is raised as it is."""
+        if not self.use_dist:
+            fn()
+            return
+        self._step = step
+        error = None
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - carried to every rank
+            if is_shared(e):
+                raise
+            error = _wrap_exception(e)
+        if self.any_failed(error is not None):
+            raise CheckpointException(step, _get_failure_dict(self.all_gather_object(error)))

@@ -46,24 +46,33 @@ def load(
     Same signature and behaviour as ``torch.distributed.checkpoint.load``:
     tensors are filled in place, other values replaced, and top-level
     Stateful values get ``load_state_dict`` called with what was loaded.
+    Any rank's failure, that call included (where torch lets the other
+    ranks return), raises :class:`CheckpointException` on every rank.
     """
     reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
     coord = _coordinator(process_group, no_dist)
     keys = sorted(state_dict.keys())  # every rank walks the keys in one order
     error: BaseException | None = None
-    try:
-        flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
-                    else state_dict[k]) for k in keys}
-    except Exception as e:
-        if not coord.use_dist:
-            raise
-        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
-    _load_state_dict(flat, reader, coord, planner, error)
-    for k in keys:
-        if isinstance(state_dict[k], Stateful):
-            state_dict[k].load_state_dict(flat[k])
-        else:
-            state_dict[k] = flat[k]
+    with coord.session():
+        try:
+            flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
+                        else state_dict[k]) for k in keys}
+        except Exception as e:
+            if not coord.use_dist:
+                raise
+            flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+        _load_state_dict(flat, reader, coord, planner, error)
+
+        def apply() -> None:
+            for k in keys:
+                if isinstance(state_dict[k], Stateful):
+                    state_dict[k].load_state_dict(flat[k])
+                else:
+                    state_dict[k] = flat[k]
+
+        # a Stateful's load_state_dict failing on one rank fails the load on
+        # every rank (torch 2.13 lets the others return)
+        coord.agree("load_state_dict", apply)
 
 
 def _read_metadata(reader: Any, rank: int) -> tuple[Any, bool]:
@@ -122,16 +131,17 @@ def _load_state_dict(state_dict: dict[str, Any], reader: Any, coord: _Coordinato
     planning step, so every rank hears of it."""
     if planner is None:
         planner = _default_load_planner()
-    hook = getattr(reader, "load_collectives", None)
-    collectives = hook(coord) if hook is not None and coord.use_dist and \
-        coord.world_size > 1 else None
-    if collectives is None:
-        _plan_and_read(state_dict, reader, coord, planner, local_error, None)
-        return
-    try:
-        _plan_and_read(state_dict, reader, coord, planner, local_error, collectives)
-    finally:
-        collectives.done()
+    with coord.session():
+        hook = getattr(reader, "load_collectives", None)
+        collectives = hook(coord) if hook is not None and coord.use_dist and \
+            coord.world_size > 1 else None
+        if collectives is None:
+            _plan_and_read(state_dict, reader, coord, planner, local_error, None)
+            return
+        try:
+            _plan_and_read(state_dict, reader, coord, planner, local_error, collectives)
+        finally:
+            collectives.done()
 
 
 def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator, planner: Any,

@@ -98,13 +98,14 @@ def save(
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
-    try:
-        flat, error = _stateful_to_state_dict(state_dict), None
-    except Exception as e:
-        if not coord.use_dist:
-            raise
-        flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
-    return _save_state_dict(flat, writer, coord, planner, use_collectives, error)
+    with coord.session():
+        try:
+            flat, error = _stateful_to_state_dict(state_dict), None
+        except Exception as e:
+            if not coord.use_dist:
+                raise
+            flat, error = {}, e  # a Stateful's state_dict() failed: tell every rank
+        return _save_state_dict(flat, writer, coord, planner, use_collectives, error)
 
 
 def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
@@ -113,6 +114,13 @@ def _save_state_dict(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinat
     """``local_error``: this rank already failed (a Stateful's state_dict(),
     async_save's staging); it is raised in the planning step, so every rank
     hears of it."""
+    with coord.session():
+        return _save_steps(state_dict, writer, coord, planner, use_collectives, local_error)
+
+
+def _save_steps(state_dict: STATE_DICT_TYPE, writer: Any, coord: _Coordinator,
+                planner: Any, use_collectives: bool,
+                local_error: BaseException | None) -> Metadata:
     if planner is None:
         planner = _default_save_planner(coord, use_collectives)
     global_metadata: Metadata | None = None
@@ -370,6 +378,9 @@ def async_save(
     coord = _coordinator(process_group, no_dist)
     if coord.use_dist:
         coord = _Coordinator(_async_group(process_group), True, 0)
+        # its heartbeat starts now: a rank that dies before its background
+        # save begins is known to be gone
+        coord._liveness()
     if in_process:
         _for_process(writer, planner, coord)
     response = AsyncSaveResponse(Future(), None)
