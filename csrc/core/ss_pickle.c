@@ -3,10 +3,192 @@
  * One table gives each opcode's argument form (as Lib/pickletools.py
  * documents them); the scan steps over every opcode and its argument,
  * checking each length against the bytes left. Nothing is decoded but
- * lengths, the protocol and memo indices. */
+ * lengths, the protocol and memo indices.
+ *
+ * Alongside, a model of the unpickler's stack (struct vm): each value is
+ * only its nesting depth (0 for a scalar, 1 + its deepest element for a
+ * container, as far as the stream has built it on the stack), the marks
+ * are positions in it, the memo holds depths. It bounds what the C
+ * unpickler would build: nesting (SS_PICKLE_DEPTH_MAX), memo indices (at
+ * most the entries stored), DUP (SS_PICKLE_DUP_SLACK). Anything the model
+ * cannot follow (a stack underflow) fails the scan, which sends the
+ * stream to the reference unpickler. */
 #include "ss_pickle.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+/* The model's arrays, grown by doubling; 4 bytes a value. */
+typedef struct vm {
+    uint32_t *stack;
+    size_t sp, scap;
+    size_t *marks;
+    size_t nmarks, mcap;
+    uint32_t *memo; /* depth + 1 per index; 0: not stored */
+    size_t mlen, memo_cap, filled;
+    size_t dups;
+} vm;
+
+static int grow(void **a, size_t *cap, size_t need, size_t elem)
+{
+    size_t n = *cap ? *cap : 64;
+    void *p;
+    while (n < need)
+        n *= 2;
+    if (n == *cap)
+        return 0;
+    p = realloc(*a, n * elem);
+    if (p == NULL)
+        return SS_ENOMEM;
+    *a = p;
+    *cap = n;
+    return 0;
+}
+
+static size_t fence(const vm *m)
+{
+    return m->nmarks ? m->marks[m->nmarks - 1] : 0;
+}
+
+static int push(vm *m, uint32_t depth)
+{
+    if (m->sp == m->scap &&
+        grow((void **)&m->stack, &m->scap, m->sp + 1, sizeof *m->stack) < 0)
+        return SS_ENOMEM;
+    m->stack[m->sp++] = depth;
+    return 0;
+}
+
+/* The deepest of the top k values, which are removed; -1 if fewer than k
+ * are above the topmost mark. */
+static int64_t pop_n(vm *m, size_t k)
+{
+    uint32_t d = 0;
+    if (m->sp - fence(m) < k)
+        return -1;
+    for (size_t i = m->sp - k; i < m->sp; i++)
+        d = m->stack[i] > d ? m->stack[i] : d;
+    m->sp -= k;
+    return d;
+}
+
+/* Everything above the topmost mark, and the mark; -1 without a mark. */
+static int64_t pop_mark(vm *m)
+{
+    int64_t d;
+    if (m->nmarks == 0)
+        return -1;
+    d = pop_n(m, m->sp - fence(m));
+    m->nmarks--;
+    return d;
+}
+
+/* Puts a value of depth d into the container on top (APPEND, BUILD, ...). */
+static int into_top(vm *m, int64_t d)
+{
+    if (d < 0 || m->sp <= fence(m))
+        return -1;
+    if ((uint32_t)d + 1 > m->stack[m->sp - 1])
+        m->stack[m->sp - 1] = (uint32_t)d + 1;
+    return 0;
+}
+
+/* The opcode's effect on the model: 0, -1 (underflow or a missing memo
+ * entry: the model cannot follow), or SS_ENOMEM. memo_ix is the index of a
+ * PUT or GET opcode. */
+static int step(vm *m, unsigned char op, uint64_t memo_ix)
+{
+    int64_t a;
+    switch (op) {
+    case '(':
+        if (m->nmarks == m->mcap && grow((void **)&m->marks, &m->mcap,
+                                         m->nmarks + 1, sizeof *m->marks) < 0)
+            return SS_ENOMEM;
+        m->marks[m->nmarks++] = m->sp;
+        return 0;
+    case '.':
+        return pop_n(m, 1) < 0 ? -1 : 0;
+    case '0': /* POP: a value, or else the mark on top */
+        if (m->nmarks && m->marks[m->nmarks - 1] == m->sp) {
+            m->nmarks--;
+            return 0;
+        }
+        return pop_n(m, 1) < 0 ? -1 : 0;
+    case '1':
+        return pop_mark(m) < 0 ? -1 : 0;
+    case '2':
+        if (m->sp <= fence(m))
+            return -1;
+        m->dups++;
+        return push(m, m->stack[m->sp - 1]);
+    case '}':
+    case ']':
+    case ')':
+    case 0x8f:
+        return push(m, 1);
+    case 0x85:
+    case 0x86:
+    case 0x87:
+        a = pop_n(m, (size_t)(op - 0x84));
+        return a < 0 ? -1 : push(m, (uint32_t)a + 1);
+    case 't':
+    case 'l':
+    case 'd':
+    case 0x91:
+    case 'i': /* INST: the arguments after the mark */
+    case 'o': /* OBJ: the class and its arguments */
+        a = pop_mark(m);
+        return a < 0 ? -1 : push(m, (uint32_t)a + 1);
+    case 'a':
+        return into_top(m, pop_n(m, 1));
+    case 's':
+    case 'b':
+        return into_top(m, pop_n(m, op == 's' ? 2 : 1));
+    case 'e':
+    case 'u':
+    case 0x90:
+        return into_top(m, pop_mark(m));
+    case 0x93: /* STACK_GLOBAL: two names, one global */
+        return pop_n(m, 2) < 0 ? -1 : push(m, 0);
+    case 'R':
+    case 0x81:
+    case 0x92: /* REDUCE, NEWOBJ(_EX): what is made may hold the arguments */
+        a = pop_n(m, op == 0x92 ? 3 : 2);
+        return a < 0 ? -1 : push(m, (uint32_t)a);
+    case 'Q':
+        return pop_n(m, 1) < 0 ? -1 : push(m, 0);
+    case 'p':
+    case 'q':
+    case 'r':
+    case 0x94:
+        if (m->sp <= fence(m))
+            return -1;
+        if (op == 0x94)
+            memo_ix = m->filled;
+        if (memo_ix >= m->mlen) {
+            if (grow((void **)&m->memo, &m->memo_cap, (size_t)memo_ix + 1,
+                     sizeof *m->memo) < 0)
+                return SS_ENOMEM;
+            memset(m->memo + m->mlen, 0,
+                   ((size_t)memo_ix + 1 - m->mlen) * sizeof *m->memo);
+            m->mlen = (size_t)memo_ix + 1;
+        }
+        if (m->memo[memo_ix] == 0)
+            m->filled++;
+        m->memo[memo_ix] = m->stack[m->sp - 1] + 1;
+        return 0;
+    case 'h':
+    case 'j':
+        if (memo_ix >= m->mlen || m->memo[memo_ix] == 0)
+            return -1;
+        return push(m, m->memo[memo_ix] - 1);
+    case 0x80:
+    case 0x95:
+        return 0;
+    default: /* every other admitted opcode pushes one scalar */
+        return push(m, 0);
+    }
+}
 
 enum arg_kind {
     A_BAD = 0,  /* not an opcode, or one refused: the scan fails */
@@ -129,7 +311,8 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
 {
     const unsigned char *d = data;
     size_t p = 0, ops = 0;
-    int proto = 0;
+    int proto = 0, rc;
+    vm m = {0};
 
     if (data == NULL && len > 0)
         return ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL, -1,
@@ -137,7 +320,7 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
     while (p < len) {
         const size_t at = p;
         const op_form *f = &forms[d[p]];
-        uint64_t n;
+        uint64_t n = 0;
         size_t left;
 
         p++;
@@ -148,6 +331,7 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
         case A_FIX:
             if (left < f->fix)
                 goto short_arg;
+            n = le(d + p, f->fix);
             p += f->fix;
             break;
         case A_LEN:
@@ -155,10 +339,12 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
             if (left < f->fix)
                 goto short_arg;
             n = le(d + p, f->fix);
-            if (f->kind == A_SLEN4 && (n & 0x80000000u))
-                return ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL,
-                                      (int64_t)at, "%s with a negative length",
-                                      f->name);
+            if (f->kind == A_SLEN4 && (n & 0x80000000u)) {
+                rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL,
+                                    (int64_t)at, "%s with a negative length",
+                                    f->name);
+                goto out;
+            }
             p += f->fix;
             if (n > len - p)
                 goto short_arg;
@@ -182,7 +368,7 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                         goto bad_index;
                     n = n * 10 + (uint64_t)(d[i] - '0');
                 }
-                if (n > ops)
+                if (n > m.filled)
                     goto bad_index;
             }
             p = e;
@@ -198,19 +384,21 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
             if (left < f->fix)
                 goto short_arg;
             n = le(d + p, f->fix);
-            if (n > ops)
+            if (n > m.filled)
                 goto bad_index;
             p += f->fix;
             break;
         case A_PROTO:
             if (left < 1)
                 goto short_arg;
-            if (at != 0 || d[p] > SS_PICKLE_PROTO_MAX)
-                return ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL,
-                                      (int64_t)at,
-                                      "PROTO %u at offset %zu (only a leading "
-                                      "PROTO <= %d is admitted)",
-                                      (unsigned)d[p], at, SS_PICKLE_PROTO_MAX);
+            if (at != 0 || d[p] > SS_PICKLE_PROTO_MAX) {
+                rc = ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL,
+                                    (int64_t)at,
+                                    "PROTO %u at offset %zu (only a leading "
+                                    "PROTO <= %d is admitted)",
+                                    (unsigned)d[p], at, SS_PICKLE_PROTO_MAX);
+                goto out;
+            }
             proto = d[p];
             p++;
             break;
@@ -219,37 +407,75 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                 goto short_arg;
             n = le(d + p, 8);
             p += 8;
-            if (n > len - p)
-                return ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL,
-                                      (int64_t)at,
-                                      "FRAME of %llu bytes with %zu left",
-                                      (unsigned long long)n, len - p);
+            if (n > len - p) {
+                rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL,
+                                    (int64_t)at,
+                                    "FRAME of %llu bytes with %zu left",
+                                    (unsigned long long)n, len - p);
+                goto out;
+            }
             break;
         default:
-            return ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL,
-                                  (int64_t)at, "opcode %s (0x%02x) is refused",
-                                  f->name ? f->name : "unknown",
-                                  (unsigned)d[at]);
+            rc = ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL,
+                                (int64_t)at, "opcode %s (0x%02x) is refused",
+                                f->name ? f->name : "unknown", (unsigned)d[at]);
+            goto out;
         }
         ops++;
+        rc = step(&m, d[at], n);
+        if (rc == SS_ENOMEM) {
+            rc = ss_errinfo_set(err, SS_ENOMEM, "pickle scan", NULL,
+                                (int64_t)at, "no memory for the stack model");
+            goto out;
+        }
+        if (rc < 0) {
+            rc =
+                ss_errinfo_set(err, SS_EINVAL, "pickle scan", NULL, (int64_t)at,
+                               "%s on a stack without its operands "
+                               "(or a memo entry never stored)",
+                               f->name);
+            goto out;
+        }
+        if (m.sp > 0 && m.stack[m.sp - 1] > SS_PICKLE_DEPTH_MAX) {
+            rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL,
+                                (int64_t)at, "pickle nests deeper than %d",
+                                SS_PICKLE_DEPTH_MAX);
+            goto out;
+        }
+        if (2 * m.dups > p + SS_PICKLE_DUP_SLACK) {
+            rc =
+                ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
+                               "%zu DUPs in %zu bytes: more values than "
+                               "the stream holds",
+                               m.dups, p);
+            goto out;
+        }
         if (d[at] == '.') {
             if (info != NULL) {
                 info->proto = proto;
                 info->opcodes = ops;
                 info->end = p;
             }
-            return 0;
+            rc = 0;
+            goto out;
         }
         continue;
     short_arg:
-        return ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
-                              "%s's argument runs past the end of the data",
-                              f->name);
+        rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
+                            "%s's argument runs past the end of the data",
+                            f->name);
+        goto out;
     bad_index:
-        return ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
-                              "%s memo index out of bounds (at most %zu here)",
-                              f->name, ops);
+        rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
+                            "%s memo index out of bounds (at most %zu here)",
+                            f->name, m.filled);
+        goto out;
     }
-    return ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)len,
-                          "no STOP before the end of the data");
+    rc = ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)len,
+                        "no STOP before the end of the data");
+out:
+    free(m.stack);
+    free(m.marks);
+    free(m.memo);
+    return rc;
 }

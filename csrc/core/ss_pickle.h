@@ -16,14 +16,26 @@
  *  - PROTO, if present, is the first opcode (so one protocol governs every
  *    GLOBAL's name mapping), with a version of at most 5;
  *  - every memo index stored (PUT, BINPUT, LONG_BINPUT) is at most the
- *    number of opcodes before it: the C unpickler's memo is an array sized
- *    by the largest index, so a forged index could otherwise make it
- *    allocate gigabytes; with this bound it stays linear in the data;
+ *    number of memo entries stored before it (picklers number them 0, 1,
+ *    2, ...): the C unpickler's memo is an array sized by the largest
+ *    index, so a forged index could otherwise make it allocate gigabytes;
+ *    with this bound it stays linear in the data; every GET names a
+ *    stored entry;
+ *  - on a model of the stack (each value its nesting depth), no value
+ *    nests deeper than SS_PICKLE_DEPTH_MAX containers as it is built:
+ *    hashing a deeper tuple (a dict key, a set member) would overflow the
+ *    C stack, tuple hashing has no recursion guard; every opcode finds
+ *    the operands it takes (no underflow);
+ *  - DUP, which no pickler writes, adds at most as many values as the
+ *    other bytes of the stream, plus SS_PICKLE_DUP_SLACK: so every value
+ *    the unpickler builds is paid for by a byte of the stream;
  *  - the stream ends with STOP (bytes after the first STOP are not read).
  *
  * A stream that fails the scan is not necessarily malformed: the caller
  * runs the pure-Python reference unpickler on it, which decides. The scan
- * reads only [data, data + len); no allocation, no state, thread-safe.
+ * reads only [data, data + len); it allocates its stack model (4 bytes a
+ * value, at most a few times len) and frees it before it returns; no
+ * state, thread-safe.
  */
 #ifndef SS_PICKLE_H
 #define SS_PICKLE_H
@@ -33,6 +45,13 @@
 
 #include "ss_error.h"
 
+/* The deepest nesting admitted (torch's .metadata nests about 10 deep; the
+ * restricted reader builds nothing deeper than 100). The Python reference
+ * unpickler (unpickler.py, _MAX_NEST) refuses at the same depth. */
+#define SS_PICKLE_DEPTH_MAX 1000
+/* DUPs admitted beyond the stream's other bytes. */
+#define SS_PICKLE_DUP_SLACK 65536
+
 typedef struct ss_pickle_info {
     int proto;      /* the leading PROTO's version, else 0 */
     size_t opcodes; /* opcodes up to and including STOP */
@@ -40,8 +59,9 @@ typedef struct ss_pickle_info {
 } ss_pickle_info;
 
 /* 0 when the stream passes (info filled); else SS_EINVAL (an opcode outside
- * the admitted set, or PROTO out of place) or SS_ERANGE (an argument, frame
- * or memo index out of bounds; a missing STOP), with err's offset at the
+ * the admitted set, PROTO out of place, a stack underflow), SS_ERANGE (an
+ * argument, frame or memo index out of bounds; nesting or DUPs past their
+ * bounds; a missing STOP) or SS_ENOMEM, with err's offset at the
  * opcode and its detail naming it. info and err may be NULL. */
 int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                    ss_errinfo *err);

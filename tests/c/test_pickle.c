@@ -94,9 +94,12 @@ static void test_bounds(void)
     CHECK_EQ_INT(scan(S("Np99\n."), NULL), SS_ERANGE);
     CHECK_EQ_INT(scan(S("Np-1\n."), NULL), SS_ERANGE);
     CHECK_EQ_INT(scan(S("Np\n."), NULL), SS_ERANGE);
-    CHECK_EQ_INT(scan(S("Np1\n."), NULL),
-                 0); /* one opcode before: index 1 ok */
-    CHECK_EQ_INT(scan(S("\x80\x02Nq\x02."), NULL), 0);
+    /* at most the entries stored before: 0, 1, 2, ... */
+    CHECK_EQ_INT(scan(S("Np1\n."), NULL), SS_ERANGE);
+    CHECK_EQ_INT(scan(S("\x80\x02Nq\x02."), NULL), SS_ERANGE);
+    CHECK_EQ_INT(scan(S("Np0\n0Np1\n0Np1\n."), NULL), 0);
+    CHECK_EQ_INT(scan(S("\x80\x02Nq\x00\x94h\x01\x86."), NULL), 0);
+    CHECK_EQ_INT(scan(S("\x80\x02Nq\x00h\x01\x86."), NULL), SS_EINVAL);
     /* negative signed lengths */
     CHECK_EQ_INT(scan(S("T\xff\xff\xff\xff."), NULL), SS_ERANGE);
     CHECK_EQ_INT(scan(S("\x80\x02\x8b\x00\x00\x00\x80."), NULL), SS_ERANGE);
@@ -119,6 +122,58 @@ static void test_bounds(void)
     CHECK_EQ_INT(scan(S("\x80\x02N"), NULL), SS_ERANGE);
     CHECK_EQ_INT(scan("", 0, NULL), SS_ERANGE);
     CHECK_EQ_INT(ss_pickle_scan(NULL, 4, NULL, NULL), SS_EINVAL);
+}
+
+/* n copies of op after prefix, then suffix, in a heap block */
+static int scan_rep(const char *prefix, char op, size_t n, const char *suffix)
+{
+    size_t a = strlen(prefix), c = strlen(suffix);
+    char *buf = malloc(a + n + c);
+    memcpy(buf, prefix, a);
+    memset(buf + a, op, n);
+    memcpy(buf + a + n, suffix, c);
+    int rc = ss_pickle_scan(buf, a + n + c, NULL, NULL);
+    free(buf);
+    return rc;
+}
+
+static void test_nesting_and_dup(void)
+{
+    /* a dict SS_PICKLE_DEPTH_MAX deep (its key a tuple one less) passes;
+     * one deeper does not, nor a deep set member or deep lists */
+    CHECK_EQ_INT(scan_rep("\x80\x02})", '\x85', SS_PICKLE_DEPTH_MAX - 2, "Ns."),
+                 0);
+    CHECK_EQ_INT(scan_rep("\x80\x02})", '\x85', SS_PICKLE_DEPTH_MAX - 1, "Ns."),
+                 SS_ERANGE);
+    CHECK_EQ_INT(scan_rep("\x80\x04\x8f()", '\x85', 100000, "\x90."),
+                 SS_ERANGE);
+    char *deep = malloc(2 + 2 * 5000 + 1);
+    memcpy(deep, "\x80\x02", 2);
+    memset(deep + 2, ']', 5000);
+    memset(deep + 2 + 5000, 'a', 4999);
+    deep[2 + 2 * 5000 - 1] = '.';
+    CHECK_EQ_INT(ss_pickle_scan(deep, 2 + 2 * 5000, NULL, NULL), SS_ERANGE);
+    free(deep);
+    /* through the memo: t = (t,), over and over */
+    char buf[5 + 6 * 1100 + 1];
+    size_t n = 0;
+    memcpy(buf, "\x80\x02)q", 4);
+    n = 4;
+    buf[n++] = 0;
+    for (int i = 0; i < 1100; i++) {
+        memcpy(buf + n, "0h\x00\x85", 4);
+        n += 4;
+        buf[n++] = 'q';
+        buf[n++] = 0;
+    }
+    buf[n++] = '.';
+    CHECK_EQ_INT(ss_pickle_scan(buf, n, NULL, NULL), SS_ERANGE);
+    /* DUP: a few pass, a list of them does not */
+    CHECK_EQ_INT(scan_rep("\x80\x02(N", '2', 1000, "l."), 0);
+    CHECK_EQ_INT(scan_rep("\x80\x02(N", '2', 1000000, "l."), SS_ERANGE);
+    /* underflow */
+    CHECK_EQ_INT(scan(S("\x80\x02a."), NULL), SS_EINVAL);
+    CHECK_EQ_INT(scan(S("\x80\x02N\x85\x86."), NULL), SS_EINVAL);
 }
 
 static void test_every_truncation(void)
@@ -156,6 +211,7 @@ int main(void)
     RUN(test_passes_protocol_streams);
     RUN(test_refuses_opcodes);
     RUN(test_bounds);
+    RUN(test_nesting_and_dup);
     RUN(test_every_truncation);
     return ss_test_report("pickle");
 }

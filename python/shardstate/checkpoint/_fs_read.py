@@ -34,7 +34,7 @@ import numpy as np
 from .. import io as ssio
 from .._core import ChecksumError, crc32, crc32_combine
 from .._util import contiguous_strides, import_torch, is_contiguous
-from ._fs_transform import ReaderTransforms
+from ._fs_transform import MAX_BYTES_ITEM, ReaderTransforms
 from ._fs_write import _cuda_stage, _device_bytes
 from ._pickle import PickleFormatError, UnsafePickleError, loads_object
 from ._records import StorageFormatError, _index_key, _Rec, _Records, _Req, transforms
@@ -51,6 +51,32 @@ def _new_stats() -> dict[str, int]:
     return {"storage_bytes": 0, "broadcast_sent": 0, "broadcast_received": 0}
 
 
+# Pieces in which a bytes item's entries are read for their CRC-32s.
+_CRC_PIECE = 1 << 20
+
+
+def _check_declared_sizes(zf: zipfile.ZipFile, where: str, restricted: bool) -> None:
+    """Refuses, before anything is inflated, a bytes item whose entries are
+    compressed (``restricted``: torch.save stores them as they are, and the
+    restricted reader reads no other) or declare more than
+    ``MAX_BYTES_ITEM`` bytes in all (zipfile never inflates an entry past
+    its declared size). So a deflated bomb (1 GiB of zeros in 1 MB) costs
+    nothing; a trusted one is inflated in ``_CRC_PIECE`` steps."""
+    total = 0
+    for info in zf.infolist():
+        if restricted and info.compress_type != zipfile.ZIP_STORED:
+            raise StorageFormatError(
+                f"{where}: bytes item refused: its entry {info.filename!r} is compressed "
+                f"(method {info.compress_type}, {info.compress_size} bytes declaring "
+                f"{info.file_size}); torch.save stores entries uncompressed, and the "
+                "restricted reader inflates none")
+        total += info.file_size
+        if total > MAX_BYTES_ITEM:
+            raise StorageFormatError(
+                f"{where}: bytes item refused: its entries declare more than "
+                f"{MAX_BYTES_ITEM} bytes, more than a bytes item may hold")
+
+
 def _check_bytes_record(record: bytes, where: str, restricted: bool = True) -> None:
     """Checks a bytes item (a torch.save zip) before any planner sees it:
     every entry's CRC-32, then (``restricted``) a restricted load of its
@@ -59,8 +85,11 @@ def _check_bytes_record(record: bytes, where: str, restricted: bool = True) -> N
     imported or called."""
     try:
         zf = zipfile.ZipFile(io.BytesIO(record))
-        for n in zf.namelist():
-            zf.read(n)  # zipfile checks each entry's CRC-32
+        _check_declared_sizes(zf, where, restricted)
+        for info in zf.infolist():
+            with zf.open(info) as f:  # zipfile checks each entry's CRC-32 at its end
+                while f.read(_CRC_PIECE):
+                    pass
     except zipfile.BadZipFile as e:
         if "CRC" in str(e):
             raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None

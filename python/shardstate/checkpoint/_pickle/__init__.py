@@ -24,7 +24,7 @@ Both subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``;
 no other exception escapes the restricted ``loads_*`` for any input.
 
 Imports, without cycles: writer -> standins -> names; allowlist -> names,
-errors; unpickler -> errors; build -> allowlist, errors; objects -> build,
+errors; unpickler -> allowlist, errors; build -> allowlist, errors; objects -> build,
 unpickler, allowlist.
 
 Invariants: no torch import anywhere in this package (torch objects are

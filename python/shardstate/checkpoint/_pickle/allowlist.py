@@ -31,6 +31,45 @@ from .names import (
 )
 
 # --------------------------------------------------------------------------
+# Nesting
+# --------------------------------------------------------------------------
+
+# The deepest nesting admitted: as csrc/core/ss_pickle.h's
+# SS_PICKLE_DEPTH_MAX. Hashing a tuple (a dict key, a set member) recurses
+# in C without a recursion guard: a tuple a million deep overflows the C
+# stack. torch's .metadata nests about 10 deep; ``build`` admits 100.
+_MAX_NEST = 1000
+
+
+def _too_deep(x: tuple) -> bool:
+    """Whether the tuple nests tuples more than ``_MAX_NEST`` deep (a tuple
+    is 1 deep, one holding it 2). Iterative; each distinct tuple is walked
+    once, so it costs less than hashing ``x``."""
+    heights: dict[int, int] = {}
+    stack: list[list[Any]] = [[x, iter(x), 0]]  # tuple, its items, highest child
+    while stack:
+        if len(stack) > _MAX_NEST:
+            return True
+        top = stack[-1]
+        for y in top[1]:
+            if type(y) is tuple:
+                h = heights.get(id(y))
+                if h is None:
+                    stack.append([y, iter(y), 0])
+                    break
+                if len(stack) + h > _MAX_NEST:
+                    return True
+                top[2] = max(top[2], h)
+        else:
+            stack.pop()
+            h = top[2] + 1
+            heights[id(top[0])] = h
+            if stack:
+                stack[-1][2] = max(stack[-1][2], h)
+    return False
+
+
+# --------------------------------------------------------------------------
 # Inert stand-ins
 # --------------------------------------------------------------------------
 
@@ -215,6 +254,9 @@ def _bytearray_ctor(*args: Any) -> bytearray:
 def _set_ctor(*args: Any) -> set:
     if len(args) > 1 or (args and type(args[0]) not in (list, tuple)):
         raise TypeError("set() takes one list")
+    if args and any(type(x) is tuple and _too_deep(x) for x in args[0]):
+        raise UnsafePickleError(f"pickle calls builtins.set with a tuple nested deeper than "
+                                f"{_MAX_NEST} levels")
     return set(args[0]) if args else set()
 
 

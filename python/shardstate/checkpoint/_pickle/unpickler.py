@@ -13,6 +13,16 @@ runs on CPython's C unpickler with the same allowlist instead, ten times
 faster; whatever it fails on goes to the reference, whose outcome is the
 answer.
 
+Bounds, in both engines (the scan's in C, the reference's here, with the
+same limits, so both give the same answer): no tuple used as a dict key
+or set member nests deeper than ``allowlist._MAX_NEST`` (1000; hashing a
+deeper one would overflow the C stack: the scan bounds every value as it
+is built, the reference each key before it is hashed); a memo index is at
+most the number of entries stored before it (picklers number them 0, 1,
+2, ...); DUP, which no pickler writes, adds at most as many values as the
+stream's other bytes plus ``_DUP_SLACK``, so every value built is paid for
+by a byte of the stream (a 30 MB stream cannot DUP a 30M-element list).
+
 Raises ``UnsafePickleError`` (a global or call outside the allowlist) or
 ``PickleFormatError`` (anything else wrong); nothing else escapes. No torch
 import. Thread-safe.
@@ -24,10 +34,16 @@ import _compat_pickle
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from ... import ShardstateError, _core
+from .allowlist import _MAX_NEST, _too_deep
 from .errors import PickleFormatError, UnsafePickleError
+
+# DUPs admitted beyond the stream's other bytes: as ss_pickle.h's
+# SS_PICKLE_DUP_SLACK.
+_DUP_SLACK = 65536
 
 # --------------------------------------------------------------------------
 # The two engines: the C unpickler behind the scan, and the reference
@@ -66,10 +82,70 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         dispatch[_op[0]] = _refuse_ext
     del _op
 
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any],
+                 what: str = "pickle") -> None:
         super().__init__(io.BytesIO(data))
         self._data = data
         self._allowed = allowed
+        self._what = what
+        self._dups = 0
+
+    # ---- bounds (see the module docstring) ----
+
+    def _refuse_deep(self, keys: Any) -> None:
+        for k in keys:
+            if type(k) is tuple and _too_deep(k):
+                raise PickleFormatError(f"{self._what} nests deeper than {_MAX_NEST} levels "
+                                        "(a tuple used as a dict key or set member)")
+
+    def _hashing(op: bytes, keys: Callable[[list[Any]], Any]) -> Callable[[Any], None]:
+        load = pickle._Unpickler.dispatch[op[0]]  # type: ignore[attr-defined]
+
+        def checked(self: Any) -> None:
+            self._refuse_deep(keys(self.stack))
+            load(self)
+
+        return checked
+
+    # the frame above the mark, or the top of the stack: what will be hashed
+    dispatch[pickle.SETITEM[0]] = _hashing(pickle.SETITEM, lambda s: s[-2:-1])
+    dispatch[pickle.SETITEMS[0]] = _hashing(pickle.SETITEMS, lambda s: s[0::2])
+    dispatch[pickle.DICT[0]] = _hashing(pickle.DICT, lambda s: s[0::2])
+    dispatch[pickle.ADDITEMS[0]] = _hashing(pickle.ADDITEMS, lambda s: s)
+    dispatch[pickle.FROZENSET[0]] = _hashing(pickle.FROZENSET, lambda s: s)
+    del _hashing
+
+    def _memo_put(self, i: int) -> None:
+        if i > len(self.memo):
+            raise PickleFormatError(f"{self._what}: memo index {i} out of bounds (at most "
+                                    f"{len(self.memo)} here)")
+        self.memo[i] = self.stack[-1]
+
+    def _load_put(self) -> None:
+        i = int(self.readline()[:-1])
+        if i < 0:
+            raise ValueError("negative PUT argument")
+        self._memo_put(i)
+
+    def _load_binput(self) -> None:
+        self._memo_put(self.read(1)[0])
+
+    def _load_long_binput(self) -> None:
+        (i,) = struct.unpack("<I", self.read(4))
+        self._memo_put(i)
+
+    dispatch[pickle.PUT[0]] = _load_put
+    dispatch[pickle.BINPUT[0]] = _load_binput
+    dispatch[pickle.LONG_BINPUT[0]] = _load_long_binput
+
+    def _load_dup(self) -> None:
+        self._dups += 1
+        if 2 * self._dups > self._tell() + _DUP_SLACK:
+            raise PickleFormatError(f"{self._what}: {self._dups} DUPs in {self._tell()} bytes: "
+                                    "more values than the stream holds")
+        self.append(self.stack[-1])
+
+    dispatch[pickle.DUP[0]] = _load_dup
 
     def find_class(self, module: str, name: str) -> Any:
         return _find_class(self._allowed, self.proto, module, name)
@@ -103,6 +179,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.read = read = f.read
         self.readinto = f.readinto
         self.readline = f.readline
+        self._tell = f.tell
         self.metastack = []
         self.stack: list[Any] = []
         self.append = self.stack.append
@@ -161,7 +238,7 @@ def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str,
             except Exception:  # noqa: BLE001 - the reference names the fault
                 pass
     try:
-        return _RestrictedUnpickler(data, allowed).load()
+        return _RestrictedUnpickler(data, allowed, what).load()
     except (UnsafePickleError, PickleFormatError):
         raise
     except RecursionError:
