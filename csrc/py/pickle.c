@@ -37,7 +37,8 @@ static PyMethodDef pickle_methods[] = {
      "pickle_scan(data, /)\n--\n\nChecks a pickle's opcode stream before the "
      "C unpickler may run on it: no persistent ids, copyreg extensions or "
      "out-of-band buffers; every argument inside the data; PROTO only "
-     "first; memo indices bounded by the opcodes before them. Returns "
+     "first; memo indices at most the entries stored; nesting at most "
+     "SS_PICKLE_DEPTH_MAX deep and DUP bounded (a model of the stack). Returns "
      "(protocol, offset past STOP); raises ValueError (an opcode refused) "
      "or ShardstateError (out of bounds) naming the offset."},
     {NULL, NULL, 0, NULL},

@@ -38,6 +38,7 @@ time; the heartbeat registry and the call counters have their own lock.
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import sys
@@ -52,7 +53,10 @@ from .api import CheckpointException, _wrap_exception
 T = TypeVar("T")
 
 _BEAT = 1.0  # seconds between a process's heartbeats
-_DEAD_AFTER = 6.0  # a heartbeat that has not moved for this long: the rank is gone
+# A heartbeat that has not moved for this long: the rank is gone. Long enough
+# that a live rank whose Python threads are held off by a long GIL-holding
+# call is not taken for dead; SHARDSTATE_DEAD_RANK_S sets it.
+_DEAD_AFTER = float(os.environ.get("SHARDSTATE_DEAD_RANK_S", "10"))
 _TICK = 0.5  # a waiter looks at notes and heartbeats this often
 _WATCH_ALL_AFTER = 15.0  # a non-coordinator then watches every rank, not just the coordinator
 _PREFIX = "shardstate"

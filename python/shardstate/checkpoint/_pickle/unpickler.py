@@ -230,7 +230,7 @@ def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], what: str,
     if fast:
         try:
             proto, _end = _core.pickle_scan(data)
-        except (ValueError, ShardstateError):
+        except (ValueError, ShardstateError, MemoryError):
             pass  # outside what the C unpickler may run: the reference decides
         else:
             try:
