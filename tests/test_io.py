@@ -255,19 +255,20 @@ def test_core_entry_points_validate(tmp_path):
     p = str(tmp_path / "a")
     with pytest.raises(IndexError, match="file_idx"):
         _core.write_batch([p], [1], [0], [b"x"], None, False, True, 0, None, False,
-                          None, None, None)
+                          None, None, None, False)
     with pytest.raises(ValueError, match="entries"):
         _core.write_batch([p], [0, 0], [0], [b"x"], None, False, True, 0, None, False,
-                          None, None, None)
+                          None, None, None, False)
     with pytest.raises(TypeError, match="offsets must be a sequence of ints"):
         _core.write_batch([p], [0], 5, [b"x"], None, False, True, 0, None, False,
-                          None, None, None)
+                          None, None, None, False)
     with pytest.raises(TypeError, match="FaultInjector"):
-        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, 3, False, None, None, None)
+        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, 3, False, None, None, None,
+                          False)
     # NumPy int64 arrays are taken as they are
     crcs = _core.write_batch(
         [p], np.array([0, 0]), np.array([0, 5], dtype=np.int64), [b"ab", b"cd"],
-        None, False, True, 0, None, True, None, None, None,
+        None, False, True, 0, None, True, None, None, None, False,
     )
     assert crcs == [zlib.crc32(b"ab"), zlib.crc32(b"cd")]
     with pytest.raises(ValueError, match="crcs"):

@@ -144,9 +144,10 @@ def test_bad_arguments(tmp_path):
         sio.write([WriteJob(p, 0, b"abc", device=True)])
     with pytest.raises(ValueError, match="entries"):
         _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, s,
-                          [True, False], None)
+                          [True, False], None, False)
     with pytest.raises(TypeError, match="Stage"):
-        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, 5, [True], None)
+        _core.write_batch([p], [0], [0], [b"x"], None, False, True, 0, None, False, 5, [True], None,
+                          False)
     with pytest.raises(TypeError, match="Stage"):
         sio.read([ReadJob(p, 0, bytearray(1), device=True)], stage=os)
 

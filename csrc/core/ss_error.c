@@ -28,6 +28,7 @@ int ss_errinfo_set(ss_errinfo *e, int code, const char *op, const char *path,
     e->sys_errno = ss_is_errno(code) ? -code : 0;
     e->op = op;
     e->offset = offset;
+    e->job = -1; /* a batch sets the job after */
     e->path[0] = '\0';
     if (path != NULL)
         snprintf(e->path, sizeof e->path, "%s", path);

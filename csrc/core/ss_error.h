@@ -55,7 +55,8 @@ void ss_errinfo_clear(ss_errinfo *e);
 /* Record a failure and return code, so callers can write
  *   return ss_errinfo_set(e, -errno, "open", path, -1, NULL);
  * e may be NULL (the detail is dropped). code < 0; a code in -1..-999 is
- * taken as -errno and stored in sys_errno too. fmt may be NULL. */
+ * taken as -errno and stored in sys_errno too. fmt may be NULL. job is
+ * reset to -1 (set it after, for a batch). */
 int ss_errinfo_set(ss_errinfo *e, int code, const char *op, const char *path,
                    int64_t offset, const char *fmt, ...)
 #if defined(__GNUC__)

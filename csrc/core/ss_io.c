@@ -1,4 +1,4 @@
-/* ss_io.c - batch write/read over a pool, atomic publish, raw baselines.
+/* ss_io.c - batch write/read over a pool, the transfer loops, raw baselines.
  *
  * A batch runs in phases, each finished before the next starts:
  *   validate jobs -> open (and size, or stat) every file -> one pool task
@@ -10,7 +10,8 @@
  * consecutive small whole jobs of one file form a run that the first
  * piece's task reads with one preadv (the others' tasks do nothing).
  *
- * write_all/read_all/readv_all are the only transfer loops of the core: they
+ * ss_io_write_all/ss_io_read_all/readv_all are the only transfer loops of
+ * the core (ss_file uses the first two): they
  * retry EINTR, continue after short transfers and cap each call at
  * SS_IO_MAX_XFER (a run is at most one piece). Every other call that may report
  * EINTR is retried by RETRY, except close (on Linux the descriptor is gone
@@ -36,9 +37,10 @@
     while ((rc) == -EINTR)
 
 /* Write len bytes at off. On failure *at is the offset that failed. */
-static int write_all(const ss_os *os, int fd, const char *p, uint64_t len,
-                     int64_t off, int64_t *at)
+int ss_io_write_all(const ss_os *os, int fd, const void *buf, uint64_t len,
+                    int64_t off, int64_t *at)
 {
+    const char *p = buf;
     while (len > 0) {
         size_t n = len < SS_IO_MAX_XFER ? (size_t)len : SS_IO_MAX_XFER;
         int64_t k = os->pwrite(os, fd, p, n, off);
@@ -56,9 +58,10 @@ static int write_all(const ss_os *os, int fd, const char *p, uint64_t len,
 }
 
 /* Read len bytes at off; end of file before len is SS_ESHORT. */
-static int read_all(const ss_os *os, int fd, char *p, uint64_t len, int64_t off,
-                    int64_t *at)
+int ss_io_read_all(const ss_os *os, int fd, void *buf, uint64_t len,
+                   int64_t off, int64_t *at)
 {
+    char *p = buf;
     while (len > 0) {
         size_t n = len < SS_IO_MAX_XFER ? (size_t)len : SS_IO_MAX_XFER;
         int64_t k = os->pread(os, fd, p, n, off);
@@ -126,6 +129,7 @@ typedef struct {
     int checksum;  /* every job's CRC is computed */
     int verify;    /* read jobs with has_crc get theirs computed and checked */
     int writeback; /* written pieces get their writeback started */
+    int patch;     /* write into existing files, keeping their size */
     ss_stage *stage;      /* for device jobs, once its batch has begun */
     size_t dsize;         /* device piece size; 0 when there is no stage */
     ss_stage_item *items; /* device writes, in piece order */
@@ -278,7 +282,7 @@ static void dev_write(batch *b, size_t i, uint32_t file, int64_t off)
     }
     if (b->checksum)
         b->piece_crc[i] = ss_crc32(0, p, pc->len);
-    rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
+    rc = ss_io_write_all(b->os, b->fds[file], p, pc->len, off, &at);
     ss__stage_give(b->stage, pc->item);
     if (rc < 0)
         record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
@@ -301,7 +305,7 @@ static void dev_read(batch *b, size_t i, uint32_t file, int64_t off)
             record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
         return;
     }
-    rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
+    rc = ss_io_read_all(b->os, b->fds[file], p, pc->len, off, &at);
     if (rc < 0) {
         ss__stage_put(b->stage, slot);
         record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
@@ -333,14 +337,14 @@ static void piece_task(void *ctx, size_t i)
         const char *p = (const char *)b->w[pc->job].src + pc->start;
         if (b->checksum) /* just before the write: the bytes stay in cache */
             b->piece_crc[i] = ss_crc32(0, p, pc->len);
-        rc = write_all(b->os, b->fds[file], p, pc->len, off, &at);
+        rc = ss_io_write_all(b->os, b->fds[file], p, pc->len, off, &at);
         if (rc < 0)
             record(b, rc, "pwrite", b->paths[file], at, (int64_t)pc->job);
         else
             start_writeback(b, file, off, pc->len, pc->job);
     } else if (pc->run == 1) {
         char *p = (char *)b->r[pc->job].dst + pc->start;
-        rc = read_all(b->os, b->fds[file], p, pc->len, off, &at);
+        rc = ss_io_read_all(b->os, b->fds[file], p, pc->len, off, &at);
         if (rc < 0)
             record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
         else if (wants_crc(b, pc->job)) /* right after the read, while hot */
@@ -408,8 +412,9 @@ static int open_files(batch *b, size_t npaths, size_t njobs)
         /* O_NONBLOCK on reads: opening a FIFO must not wait for a writer
          * (fsize then refuses anything but a regular file, on which the
          * flag has no effect). */
-        int flags = b->w != NULL ? O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC
-                                 : O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+        int flags = b->w == NULL ? O_RDONLY | O_CLOEXEC | O_NONBLOCK
+                    : b->patch   ? O_WRONLY | O_CLOEXEC
+                                 : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
         RETRY(rc, os->open(os, b->paths[f], flags, 0666));
         if (rc < 0) {
             record(b, rc, "open", b->paths[f], -1, -1);
@@ -417,7 +422,7 @@ static int open_files(batch *b, size_t npaths, size_t njobs)
         }
         b->fds[f] = rc;
         rc = 0;
-        if (b->w != NULL && ends[f] > 0) {
+        if (b->w != NULL && !b->patch && ends[f] > 0) {
             RETRY(rc, os->ftruncate(os, b->fds[f], ends[f]));
             if (rc < 0) {
                 record(b, rc, "ftruncate", b->paths[f], ends[f], -1);
@@ -523,6 +528,7 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     psize = opts->piece ? opts->piece : SS_IO_PIECE_DEFAULT;
     b.checksum = opts->checksum;
     b.writeback = opts->writeback;
+    b.patch = opts->patch;
     b.verify = opts->verify;
 
     b.fds = malloc((npaths ? npaths : 1) * sizeof *b.fds);
@@ -621,94 +627,6 @@ int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
     static const ss_io_rjob none;
     return run_batch(os, pool, paths, npaths, NULL, jobs != NULL ? jobs : &none,
                      njobs, opts, crcs, err);
-}
-
-/* ---- atomic publish ----------------------------------------------------- */
-
-int ss_io_publish(const ss_os *os, const char *path, const void *data,
-                  size_t len, int durable, ss_errinfo *err)
-{
-    size_t plen = strlen(path);
-    const char *slash = strrchr(path, '/');
-    char *dir = malloc(plen + 2), *tmp = malloc(plen + 80);
-    int rc = 0, fd = -1, created = 0;
-    int64_t at = -1;
-    const char *op = NULL;
-    struct timespec ts;
-
-    if (os == NULL)
-        os = ss_os_default();
-    if (dir == NULL || tmp == NULL) {
-        rc = ss_errinfo_set(err, SS_ENOMEM, "malloc", path, -1, NULL);
-        goto out;
-    }
-    if (slash == NULL) {
-        strcpy(dir, ".");
-    } else {
-        size_t n = slash == path ? 1 : (size_t)(slash - path);
-        memcpy(dir, path, n);
-        dir[n] = '\0';
-    }
-    /* "<dir>/.<name>.<pid>.<ns>.<try>.tmp"; O_EXCL makes it unique. */
-    clock_gettime(CLOCK_REALTIME, &ts);
-    for (int attempt = 0;; attempt++) {
-        snprintf(tmp, plen + 80, "%.*s.%s.%ld.%lld.%d.tmp",
-                 (int)(slash ? slash - path + 1 : 0), path,
-                 slash ? slash + 1 : path, (long)getpid(),
-                 (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec, attempt);
-        RETRY(fd,
-              os->open(os, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666));
-        if (fd != -EEXIST || attempt == 100)
-            break;
-    }
-    if (fd < 0) {
-        rc = fd;
-        fd = -1;
-        op = "open";
-        goto out;
-    }
-    created = 1;
-    if ((rc = write_all(os, fd, data, len, 0, &at)) < 0) {
-        op = "pwrite";
-        goto out;
-    }
-    if (durable)
-        RETRY(rc, os->fsync(os, fd));
-    if (rc < 0) {
-        op = "fsync";
-        goto out;
-    }
-    rc = os->close(os, fd);
-    fd = -1;
-    if (rc < 0 && rc != -EINTR) {
-        op = "close";
-        goto out;
-    }
-    RETRY(rc, os->rename(os, tmp, path));
-    if (rc < 0) {
-        op = "rename";
-        goto out;
-    }
-    created = 0;
-    rc = 0;
-    if (durable)
-        RETRY(rc, os->fsync_dir(os, dir));
-    if (rc < 0) {
-        op = "fsync_dir";
-        goto out;
-    }
-out:
-    if (op != NULL)
-        ss_errinfo_set(err, rc, op, path, at, "%s '%s'",
-                       strcmp(op, "fsync_dir") ? "temp file" : "directory",
-                       strcmp(op, "fsync_dir") ? tmp : dir);
-    if (fd >= 0)
-        os->close(os, fd);
-    if (created)
-        os->unlink(os, tmp);
-    free(dir);
-    free(tmp);
-    return rc;
 }
 
 /* ---- baselines ---------------------------------------------------------- */

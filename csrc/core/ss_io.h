@@ -1,4 +1,4 @@
-/* ss_io.h - parallel batch file I/O with per-job CRC-32, and atomic publish.
+/* ss_io.h - parallel batch file I/O with per-job CRC-32.
  *
  * A batch is a table of file paths plus an array of jobs, each naming a
  * buffer, a length, a file (index into the table) and an offset in it.
@@ -68,10 +68,15 @@ typedef struct ss_io_opts {
      * writes are ordered after `stream`, the caller's (NULL: default). */
     ss_stage *stage;
     void *stream;
+    /* write: patch existing files in place: open them O_WRONLY without
+     * O_CREAT/O_TRUNC and keep their size (a missing file is ENOENT). A file
+     * in the table with no job is then only opened (and fsynced, with
+     * fsync) and closed. */
+    int patch;
 } ss_io_opts;
 
 #define SS_IO_OPTS_INIT                                                        \
-    {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0, NULL, NULL}
+    {sizeof(ss_io_opts), SS_IO_PIECE_DEFAULT, 0, 1, 1, 0, NULL, NULL, 0}
 
 typedef struct ss_io_wjob {
     const void *src;
@@ -106,14 +111,14 @@ int ss_io_read(const ss_os *os, ss_pool *pool, const char *const *paths,
                size_t npaths, const ss_io_rjob *jobs, size_t njobs,
                const ss_io_opts *opts, uint32_t *crcs, ss_errinfo *err);
 
-/* Replace path with data atomically: write a uniquely named temp file in
- * the same directory, fsync it (if durable), close, rename over path, then
- * fsync the directory (if durable). On any failure before the rename the
- * temp file is removed and an existing file at path is untouched; if only
- * the directory fsync fails, the new content is in place but its
- * durability is not guaranteed, and the error is returned. */
-int ss_io_publish(const ss_os *os, const char *path, const void *data,
-                  size_t len, int durable, ss_errinfo *err);
+/* The core's transfer loops: all of len bytes at off, retrying EINTR and
+ * continuing after short transfers (at most SS_IO_MAX_XFER a call). On
+ * failure *at is the offset that failed; a write making no progress is
+ * -EIO, a read reaching end of file first SS_ESHORT. */
+int ss_io_write_all(const ss_os *os, int fd, const void *buf, uint64_t len,
+                    int64_t off, int64_t *at);
+int ss_io_read_all(const ss_os *os, int fd, void *buf, uint64_t len,
+                   int64_t off, int64_t *at);
 
 /* Benchmark baselines: one thread, a plain pwrite/pread loop of piece-size
  * calls (0 = SS_IO_PIECE_DEFAULT), no checksum, direct syscalls. The write

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -122,10 +124,32 @@ static int px_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
     return 0;
 }
 
+static int px_mmap(const ss_os *os, int fd, size_t n, void **addr)
+{
+    (void)os;
+    void *p = mmap(NULL, n, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return -errno;
+    *addr = p;
+    return 0;
+}
+
+static int px_munmap(const ss_os *os, void *addr, size_t n)
+{
+    (void)os;
+    return munmap(addr, n) < 0 ? -errno : 0;
+}
+
+static int px_mkdir(const ss_os *os, const char *path)
+{
+    (void)os;
+    return mkdir(path, 0777) < 0 ? -errno : 0;
+}
+
 static const ss_os posix_os = {
-    NULL,      px_open,      px_close,     px_pwrite,    px_pread,
-    px_preadv, px_fsync,     px_fsize,     px_ftruncate, px_rename,
-    px_unlink, px_fsync_dir, px_writeback,
+    NULL,         px_open,  px_close,     px_pwrite, px_pread,  px_preadv,
+    px_fsync,     px_fsize, px_ftruncate, px_rename, px_unlink, px_fsync_dir,
+    px_writeback, px_mmap,  px_munmap,    px_mkdir,
 };
 
 const ss_os *ss_os_default(void)
@@ -154,7 +178,7 @@ int ss_os_op_from_name(const char *name)
 
 /* ---- fault injector ----------------------------------------------------- */
 
-enum { ARM_NONE, ARM_FAIL, ARM_SHORT, ARM_EINTR };
+enum { ARM_NONE, ARM_FAIL, ARM_SHORT, ARM_EINTR, ARM_KILL };
 
 typedef struct {
     int op;
@@ -188,6 +212,11 @@ static int hit(const ss_os *os, int op, arm *a)
         }
     }
     pthread_mutex_unlock(&f->mu);
+    if (kind == ARM_KILL) {
+        raise(SIGKILL);
+        for (;;) /* SIGKILL cannot be caught: delivery is only a moment away */
+            pause();
+    }
     return kind;
 }
 
@@ -333,6 +362,23 @@ static int fi_writeback(const ss_os *os, int fd, int64_t off, int64_t n)
     return base_of(os)->writeback(base_of(os), fd, off, n);
 }
 
+static int fi_mmap(const ss_os *os, int fd, size_t n, void **addr)
+{
+    SS__INJECT(os, SS_OS_MMAP);
+    return base_of(os)->mmap(base_of(os), fd, n, addr);
+}
+
+static int fi_munmap(const ss_os *os, void *addr, size_t n)
+{
+    return base_of(os)->munmap(base_of(os), addr, n);
+}
+
+static int fi_mkdir(const ss_os *os, const char *path)
+{
+    SS__INJECT(os, SS_OS_MKDIR);
+    return base_of(os)->mkdir(base_of(os), path);
+}
+
 int ss_faults_new(ss_faults **out, const ss_os *base)
 {
     ss_faults *f = calloc(1, sizeof *f);
@@ -341,9 +387,10 @@ int ss_faults_new(ss_faults **out, const ss_os *base)
     if (f == NULL)
         return SS_ENOMEM;
     f->vt =
-        (ss_os){f,         fi_open,      fi_close,    fi_pwrite,    fi_pread,
-                fi_preadv, fi_fsync,     fi_fsize,    fi_ftruncate, fi_rename,
-                fi_unlink, fi_fsync_dir, fi_writeback};
+        (ss_os){f,         fi_open,      fi_close,     fi_pwrite,    fi_pread,
+                fi_preadv, fi_fsync,     fi_fsize,     fi_ftruncate, fi_rename,
+                fi_unlink, fi_fsync_dir, fi_writeback, fi_mmap,      fi_munmap,
+                fi_mkdir};
     f->base = base != NULL ? base : ss_os_default();
     for (int i = 0; i < SS_OS_NOPS; i++)
         atomic_init(&f->calls[i], 0);
@@ -396,6 +443,11 @@ int ss_faults_short(ss_faults *f, int op, uint64_t at_call, size_t nbytes)
 int ss_faults_eintr(ss_faults *f, int op, uint64_t at_call)
 {
     return add_arm(f, op, ARM_EINTR, at_call, 0);
+}
+
+int ss_faults_kill(ss_faults *f, int op, uint64_t at_call)
+{
+    return add_arm(f, op, ARM_KILL, at_call, 0);
 }
 
 uint64_t ss_faults_calls(const ss_faults *f, int op)

@@ -10,8 +10,11 @@
  * the calls of each operation (atomically: batch I/O calls from many
  * threads) and, when armed, makes call number k (1-based) of an operation
  * fail with a chosen errno, transfer only m bytes (pwrite/pread/preadv),
- * or fail once with EINTR. Several arms may be set at once; each fires at most
- * once (call numbers are never reused until ss_faults_reset).
+ * fail once with EINTR, or kill the process with SIGKILL before the call
+ * is made (crash-consistency tests: the call and everything after it never
+ * happen, as when the machine loses power there). Several arms may be set at
+ * once; each fires at most once (call numbers are never reused until
+ * ss_faults_reset).
  *
  * An injected failure of close still closes the descriptor (as Linux
  * close() does when it reports an error), so injected faults never leak.
@@ -53,6 +56,12 @@ struct ss_os {
     /* Start writeback of [off, off + n) without waiting for it (Linux
      * sync_file_range WRITE); 0 where the system has no such call. */
     int (*writeback)(const ss_os *os, int fd, int64_t off, int64_t n);
+    /* Map n > 0 bytes of fd read-only and shared into *addr. */
+    int (*mmap)(const ss_os *os, int fd, size_t n, void **addr);
+    /* Unmap what mmap mapped (not counted, never injected: it releases). */
+    int (*munmap)(const ss_os *os, void *addr, size_t n);
+    /* mkdir(2) of one directory, mode 0777 less the umask. */
+    int (*mkdir)(const ss_os *os, const char *path);
 };
 
 /* The most buffers one preadv is given (well under every IOV_MAX). */
@@ -71,7 +80,9 @@ struct ss_os {
     X(SS_OS_RENAME, "rename")                                                  \
     X(SS_OS_UNLINK, "unlink")                                                  \
     X(SS_OS_FSYNC_DIR, "fsync_dir")                                            \
-    X(SS_OS_WRITEBACK, "writeback")
+    X(SS_OS_WRITEBACK, "writeback")                                            \
+    X(SS_OS_MMAP, "mmap")                                                      \
+    X(SS_OS_MKDIR, "mkdir")
 
 typedef enum {
 #define SS__OP_ENUM(name, str) name,
@@ -108,6 +119,8 @@ int ss_faults_fail(ss_faults *f, int op, uint64_t at_call, int err);
 int ss_faults_short(ss_faults *f, int op, uint64_t at_call, size_t nbytes);
 /* Call at_call of op returns -EINTR without doing anything. */
 int ss_faults_eintr(ss_faults *f, int op, uint64_t at_call);
+/* Call at_call of op sends SIGKILL to the calling process instead. */
+int ss_faults_kill(ss_faults *f, int op, uint64_t at_call);
 
 /* Calls of op made so far (including failed ones); 0 for a bad op. */
 uint64_t ss_faults_calls(const ss_faults *f, int op);

@@ -4,6 +4,35 @@
 
 #include <string.h>
 
+/* error_codes(): {"SS_EINVAL": -1001, ...}, the core's own codes, so Python
+ * tells them apart by name (an exception's `code` attribute). */
+static PyObject *py_error_codes(PyObject *m, PyObject *u)
+{
+    PyObject *d = PyDict_New(), *v;
+    (void)m;
+    (void)u;
+    if (d == NULL)
+        return NULL;
+#define SS__ITEM(name, value, msg)                                             \
+    v = PyLong_FromLong(value);                                                \
+    if (v == NULL || PyDict_SetItemString(d, #name, v) < 0) {                  \
+        Py_XDECREF(v);                                                         \
+        Py_DECREF(d);                                                          \
+        return NULL;                                                           \
+    }                                                                          \
+    Py_DECREF(v);
+    SS_ERROR_TABLE(SS__ITEM)
+#undef SS__ITEM
+    return d;
+}
+
+static PyMethodDef errors_methods[] = {
+    {"error_codes", py_error_codes, METH_NOARGS,
+     "error_codes()\n--\n\nThe core's own error codes by name (the `code` "
+     "attribute of its exceptions; -errno codes are OSErrors)."},
+    {NULL, NULL, 0, NULL},
+};
+
 int ss_py_errors_init(PyObject *m, ss_state *st)
 {
     PyObject *bases = NULL;
@@ -31,7 +60,8 @@ int ss_py_errors_init(PyObject *m, ss_state *st)
         goto out;
     if (PyModule_AddObjectRef(m, "ShardstateError", st->Error) < 0 ||
         PyModule_AddObjectRef(m, "ShardstateIOError", st->IOError) < 0 ||
-        PyModule_AddObjectRef(m, "ChecksumError", st->ChecksumError) < 0)
+        PyModule_AddObjectRef(m, "ChecksumError", st->ChecksumError) < 0 ||
+        PyModule_AddFunctions(m, errors_methods) < 0)
         goto out;
     rc = 0;
 out:

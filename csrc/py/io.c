@@ -1,4 +1,4 @@
-/* io.c - batch file I/O entry points and the FaultInjector type.
+/* io.c - batch file I/O entry points.
  *
  * write_batch/read_batch take the batch as flat positional arguments (paths,
  * per-job file indices, offsets and buffers), hold every Py_buffer for the
@@ -6,203 +6,13 @@
  * touches a PyObject while it is released. Errors come back as a code plus
  * an ss_errinfo and become exceptions in ss_py_raise.
  *
- * FaultInjector wraps an ss_faults; passing one as `faults` routes the
- * batch's system calls through it. Its methods may be called from any
- * thread, even while a batch that uses it runs.
+ * A FaultInjector (faults.c) passed as `faults` routes the batch's system
+ * calls through it.
  */
 #include "module.h"
 #include "ss_io.h"
-#include "ss_os.h"
 
 #include <string.h>
-
-/* ---- FaultInjector ------------------------------------------------------ */
-
-typedef struct {
-    PyObject_HEAD
-    ss_faults *faults;
-} FaultInjectorObject;
-
-static PyObject *FaultInjector_new(PyTypeObject *type, PyObject *args,
-                                   PyObject *kwds)
-{
-    FaultInjectorObject *self;
-
-    if (!PyArg_ParseTuple(args, ":FaultInjector") ||
-        (kwds != NULL && PyDict_GET_SIZE(kwds) > 0)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError,
-                            "FaultInjector() takes no arguments");
-        return NULL;
-    }
-    self = (FaultInjectorObject *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    if (ss_faults_new(&self->faults, NULL) < 0) {
-        Py_DECREF(self);
-        return PyErr_NoMemory();
-    }
-    return (PyObject *)self;
-}
-
-static void FaultInjector_dealloc(FaultInjectorObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    ss_faults_free(self->faults);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
-
-/* The op named by a str, or -1 with ValueError set. */
-static int op_arg(const char *name)
-{
-    int op = ss_os_op_from_name(name);
-    if (op < 0) {
-        PyObject *names = PyList_New(0);
-        for (int i = 0; names != NULL && i < SS_OS_NOPS; i++) {
-            PyObject *s = PyUnicode_FromString(ss_os_op_name(i));
-            if (s == NULL || PyList_Append(names, s) < 0)
-                Py_CLEAR(names);
-            Py_XDECREF(s);
-        }
-        if (names != NULL) {
-            PyErr_Format(PyExc_ValueError,
-                         "unknown op '%s'; expected one of %R", name, names);
-            Py_DECREF(names);
-        }
-    }
-    return op;
-}
-
-static PyObject *arm_result(int rc, const char *what)
-{
-    if (rc < 0)
-        return PyErr_Format(PyExc_ValueError,
-                            "cannot arm %s: bad call number or value, or "
-                            "more than %d arms",
-                            what, SS_FAULTS_MAX_ARMS);
-    Py_RETURN_NONE;
-}
-
-static PyObject *FaultInjector_fail(FaultInjectorObject *self, PyObject *args)
-{
-    const char *name;
-    unsigned long long at;
-    int err, op;
-    if (!PyArg_ParseTuple(args, "sKi:fail", &name, &at, &err))
-        return NULL;
-    if ((op = op_arg(name)) < 0)
-        return NULL;
-    return arm_result(ss_faults_fail(self->faults, op, at, err), "fail");
-}
-
-static PyObject *FaultInjector_short(FaultInjectorObject *self, PyObject *args)
-{
-    const char *name;
-    unsigned long long at;
-    Py_ssize_t nbytes;
-    int op;
-    if (!PyArg_ParseTuple(args, "sKn:short", &name, &at, &nbytes))
-        return NULL;
-    if ((op = op_arg(name)) < 0)
-        return NULL;
-    if (nbytes < 0)
-        return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0");
-    if (op != SS_OS_PWRITE && op != SS_OS_PREAD)
-        return PyErr_Format(PyExc_ValueError,
-                            "short transfers apply to 'pwrite' and 'pread' "
-                            "only, not %R",
-                            PyTuple_GET_ITEM(args, 0));
-    return arm_result(ss_faults_short(self->faults, op, at, (size_t)nbytes),
-                      "short");
-}
-
-static PyObject *FaultInjector_eintr(FaultInjectorObject *self, PyObject *args)
-{
-    const char *name;
-    unsigned long long at;
-    int op;
-    if (!PyArg_ParseTuple(args, "sK:eintr", &name, &at))
-        return NULL;
-    if ((op = op_arg(name)) < 0)
-        return NULL;
-    return arm_result(ss_faults_eintr(self->faults, op, at), "eintr");
-}
-
-static PyObject *FaultInjector_calls(FaultInjectorObject *self, PyObject *arg)
-{
-    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
-    int op;
-    if (name == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "calls(op): op must be a str");
-        return NULL;
-    }
-    if ((op = op_arg(name)) < 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(ss_faults_calls(self->faults, op));
-}
-
-static PyObject *FaultInjector_reset(FaultInjectorObject *self, PyObject *u)
-{
-    (void)u;
-    ss_faults_reset(self->faults);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef FaultInjector_methods[] = {
-    {"fail", (PyCFunction)FaultInjector_fail, METH_VARARGS,
-     "fail(op, at_call, errno)\n--\n\nMake call number at_call (1-based) of "
-     "op fail with errno."},
-    {"short", (PyCFunction)FaultInjector_short, METH_VARARGS,
-     "short(op, at_call, nbytes)\n--\n\nMake call at_call of 'pwrite', "
-     "'pread' or 'preadv' transfer at most nbytes."},
-    {"eintr", (PyCFunction)FaultInjector_eintr, METH_VARARGS,
-     "eintr(op, at_call)\n--\n\nMake call at_call of op fail once with "
-     "EINTR (the engine retries it)."},
-    {"calls", (PyCFunction)FaultInjector_calls, METH_O,
-     "calls(op)\n--\n\nNumber of calls of op so far."},
-    {"reset", (PyCFunction)FaultInjector_reset, METH_NOARGS,
-     "reset()\n--\n\nDisarm everything and zero the counters."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyType_Slot FaultInjector_slots[] = {
-    {Py_tp_new, FaultInjector_new},
-    {Py_tp_dealloc, FaultInjector_dealloc},
-    {Py_tp_methods, FaultInjector_methods},
-    {Py_tp_doc, "FaultInjector()\n--\n\n"
-                "Counts the system calls of the batches it is passed to "
-                "(faults=) and makes chosen ones fail, transfer short or "
-                "report EINTR. Ops: open, close, pwrite, pread, preadv, "
-                "fsync, fstat, ftruncate, rename, unlink, fsync_dir, "
-                "writeback."},
-    {0, NULL},
-};
-
-static PyType_Spec FaultInjector_spec = {
-    .name = "shardstate._core.FaultInjector",
-    .basicsize = sizeof(FaultInjectorObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = FaultInjector_slots,
-};
-
-/* obj is None or a FaultInjector: its vtable (NULL for None). */
-static int faults_arg(ss_state *st, PyObject *obj, const ss_os **out)
-{
-    if (obj == Py_None) {
-        *out = NULL;
-        return 0;
-    }
-    if (!PyObject_TypeCheck(obj, st->FaultInjector_type)) {
-        PyErr_Format(PyExc_TypeError,
-                     "faults must be a FaultInjector or None, got %.200s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    *out = ss_faults_os(((FaultInjectorObject *)obj)->faults);
-    return 0;
-}
 
 /* ---- argument helpers --------------------------------------------------- */
 
@@ -525,7 +335,7 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
     PyObject *result = NULL;
     int rc, cuda = 0;
 
-    if (check_nargs("write_batch", nargs, 13) < 0 ||
+    if (check_nargs("write_batch", nargs, 14) < 0 ||
         ss_py_stage_arg(st, args[10], &o.stage, &cuda) < 0 ||
         dev_flags_arg(args[11], args[3], o.stage, &dev) < 0 ||
         ss_py_stream_arg(args[12], &o.stream) < 0 ||
@@ -533,8 +343,10 @@ static PyObject *py_write_batch(PyObject *m, PyObject *const *args,
         ss_py_pool_arg(st, args[4], &pool) < 0 ||
         (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
-        piece_arg(args[7], &o.piece) < 0 || faults_arg(st, args[8], &os) < 0 ||
-        (o.writeback = PyObject_IsTrue(args[9])) < 0)
+        piece_arg(args[7], &o.piece) < 0 ||
+        ss_py_faults_arg(st, args[8], &os) < 0 ||
+        (o.writeback = PyObject_IsTrue(args[9])) < 0 ||
+        (o.patch = PyObject_IsTrue(args[13])) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -583,7 +395,8 @@ static PyObject *py_read_batch(PyObject *m, PyObject *const *args,
         ss_py_pool_arg(st, args[5], &pool) < 0 ||
         (o.verify = PyObject_IsTrue(args[6])) < 0 ||
         (o.checksum = PyObject_IsTrue(args[7])) < 0 ||
-        piece_arg(args[8], &o.piece) < 0 || faults_arg(st, args[9], &os) < 0)
+        piece_arg(args[8], &o.piece) < 0 ||
+        ss_py_faults_arg(st, args[9], &os) < 0)
         goto out;
     jobs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *jobs);
     crcs = PyMem_Malloc(((size_t)a.njobs + 1) * sizeof *crcs);
@@ -645,39 +458,6 @@ out:
     return result;
 }
 
-static PyObject *py_publish(PyObject *m, PyObject *const *args,
-                            Py_ssize_t nargs)
-{
-    ss_state *st = ss_get_state(m);
-    PyObject *path = NULL;
-    Py_buffer v = {0};
-    const ss_os *os = NULL;
-    ss_errinfo info;
-    int rc, durable = 0;
-
-    if (check_nargs("publish", nargs, 4) < 0 ||
-        !PyUnicode_FSConverter(args[0], &path))
-        return NULL;
-    if (PyObject_GetBuffer(args[1], &v, PyBUF_C_CONTIGUOUS) < 0)
-        goto out;
-    if ((durable = PyObject_IsTrue(args[2])) < 0 ||
-        faults_arg(st, args[3], &os) < 0)
-        goto out;
-    Py_BEGIN_ALLOW_THREADS
-        rc = ss_io_publish(os, PyBytes_AS_STRING(path), v.buf, (size_t)v.len,
-                           durable, &info);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        ss_py_raise(st, rc, &info);
-out:
-    if (v.obj != NULL)
-        PyBuffer_Release(&v);
-    Py_DECREF(path);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
-}
-
 /* _raw_pwrite / _raw_pread: the benchmark baselines. */
 static PyObject *raw_common(PyObject *m, PyObject *const *args,
                             Py_ssize_t nargs, int writing)
@@ -736,9 +516,12 @@ static PyObject *py_raw_pread(PyObject *m, PyObject *const *args,
 static PyMethodDef io_methods[] = {
     {"write_batch", (PyCFunction)(void (*)(void))py_write_batch, METH_FASTCALL,
      "write_batch(paths, file_idx, offsets, buffers, pool, fsync, checksum, "
-     "piece, faults, writeback, stage, device, stream)\n--\n\n"
+     "piece, faults, writeback, stage, device, stream, patch)\n--\n\n"
      "Write buffers[j] at offsets[j] of paths[file_idx[j]] (files are "
-     "created or truncated), with the GIL released. Returns the CRC-32 of "
+     "created or truncated; with patch, existing files are written in "
+     "place and keep their size), with the GIL released. Every path is "
+     "opened (and fsynced, with fsync), with or without jobs. Returns the "
+     "CRC-32 of "
      "each job (0s when checksum is false). piece 0 = default. writeback: "
      "start each written piece's writeback at once. device: None or a bool "
      "per job; a device job's buffer is staged through stage (a CUDA stage "
@@ -752,10 +535,6 @@ static PyMethodDef io_methods[] = {
      "int-or-None per job, checked when verify is true. Returns each job's "
      "CRC-32 (0 for jobs neither checksummed nor verified). device: None or "
      "a bool per job; a device job's buffer is staged through stage."},
-    {"publish", (PyCFunction)(void (*)(void))py_publish, METH_FASTCALL,
-     "publish(path, data, fsync, faults)\n--\n\n"
-     "Atomically replace path with data (temp file, fsync, rename, fsync "
-     "of the directory)."},
     {"_raw_pwrite", (PyCFunction)(void (*)(void))py_raw_pwrite, METH_FASTCALL,
      "_raw_pwrite(path, buffer, piece)\n--\n\n"
      "Benchmark baseline: one thread, plain pwrite loop, no checksum."},
@@ -767,10 +546,6 @@ static PyMethodDef io_methods[] = {
 
 int ss_py_io_init(PyObject *m, ss_state *st)
 {
-    st->FaultInjector_type =
-        (PyTypeObject *)PyType_FromModuleAndSpec(m, &FaultInjector_spec, NULL);
-    if (st->FaultInjector_type == NULL ||
-        PyModule_AddType(m, st->FaultInjector_type) < 0)
-        return -1;
+    (void)st;
     return PyModule_AddFunctions(m, io_methods);
 }

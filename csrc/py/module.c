@@ -10,7 +10,8 @@ static int ss_exec(PyObject *m)
     if (PyArray_ImportNumPyAPI() < 0)
         return -1;
     if (ss_py_errors_init(m, st) < 0 || ss_py_pool_init(m, st) < 0 ||
-        ss_py_crc_init(m, st) < 0 || ss_py_io_init(m, st) < 0 ||
+        ss_py_crc_init(m, st) < 0 || ss_py_faults_init(m, st) < 0 ||
+        ss_py_io_init(m, st) < 0 || ss_py_file_init(m, st) < 0 ||
         ss_py_geom_init(m, st) < 0 || ss_py_flat_init(m, st) < 0 ||
         ss_py_stage_init(m, st) < 0 || ss_py_cuda_init(m, st) < 0 ||
         ss_py_comm_init(m, st) < 0 || ss_py_pickle_init(m, st) < 0)
@@ -27,6 +28,7 @@ static int ss_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ThreadPool_type);
     Py_VISIT(st->GeomIndex_type);
     Py_VISIT(st->FaultInjector_type);
+    Py_VISIT(st->MappedFile_type);
     Py_VISIT(st->FlatLayout_type);
     Py_VISIT(st->Stage_type);
     Py_VISIT(st->NcclComm_type);
@@ -42,6 +44,7 @@ static int ss_clear(PyObject *m)
     Py_CLEAR(st->ThreadPool_type);
     Py_CLEAR(st->GeomIndex_type);
     Py_CLEAR(st->FaultInjector_type);
+    Py_CLEAR(st->MappedFile_type);
     Py_CLEAR(st->FlatLayout_type);
     Py_CLEAR(st->Stage_type);
     Py_CLEAR(st->NcclComm_type);

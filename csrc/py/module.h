@@ -21,6 +21,7 @@ typedef struct {
     PyTypeObject *ThreadPool_type;
     PyTypeObject *GeomIndex_type;
     PyTypeObject *FaultInjector_type;
+    PyTypeObject *MappedFile_type;
     PyTypeObject *FlatLayout_type;
     PyTypeObject *Stage_type;
     PyTypeObject *NcclComm_type;
@@ -66,6 +67,11 @@ int ss_py_cai_buffer(PyObject *obj, const char *what, int writable, void **ptr,
  * torch.cuda.current_stream().cuda_stream. 0, or -1 with an error set. */
 int ss_py_stream_arg(PyObject *obj, void **out);
 
+/* obj is None or a FaultInjector: its vtable in *out (NULL for None).
+ * 0, or -1 with TypeError set. */
+struct ss_os;
+int ss_py_faults_arg(ss_state *st, PyObject *obj, const struct ss_os **out);
+
 /* Library candidates: obj is None (the core's default names) or a
  * non-empty sequence of str / bytes / os.PathLike paths; func and argname
  * name the argument in errors. keep holds the bytes objects, names points
@@ -92,7 +98,9 @@ int ss_py_load_libs(ss_state *st, const char *func, PyObject *cudart,
 int ss_py_errors_init(PyObject *m, ss_state *st);
 int ss_py_pool_init(PyObject *m, ss_state *st);
 int ss_py_crc_init(PyObject *m, ss_state *st);
+int ss_py_faults_init(PyObject *m, ss_state *st);
 int ss_py_io_init(PyObject *m, ss_state *st);
+int ss_py_file_init(PyObject *m, ss_state *st);
 int ss_py_geom_init(PyObject *m, ss_state *st);
 int ss_py_flat_init(PyObject *m, ss_state *st);
 int ss_py_stage_init(PyObject *m, ss_state *st);

@@ -7,18 +7,26 @@ whole batch with the GIL released. Buffers are used in place (no copies):
 
 Each job's CRC-32 equals ``zlib.crc32`` of its bytes. Big jobs are split
 into pieces so several threads share them.
+
+Every other file operation of a save and a load (the ``.metadata`` read,
+record headers mapped for parsing, trailers patched, files created,
+removed and fsynced, directories made) is here too, on the core's OS
+table, so one :class:`FaultInjector` reaches all of them: pass it as
+``_faults=`` to one call, or install it for every call of this process
+with :func:`inject_faults` (tests of whole saves and loads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from . import _core
-from ._core import FaultInjector, Stage, ThreadPool
+from ._core import FaultInjector, MappedFile, Stage, ThreadPool
 
 if TYPE_CHECKING:
     from collections.abc import Buffer  # Python 3.12+
@@ -27,7 +35,10 @@ else:
 
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
-__all__ = ["FaultInjector", "ReadJob", "Stage", "WriteJob", "atomic_publish", "read", "write"]
+__all__ = [
+    "FaultInjector", "MappedFile", "ReadJob", "Stage", "WriteJob", "atomic_publish", "file_size",
+    "fsync_dir", "inject_faults", "makedirs", "map_file", "read", "read_file", "unlink", "write",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,32 @@ class ReadJob:
     out: Buffer
     crc: int | None = None
     device: bool = False
+
+
+# The injector every call of this process uses when it is given none
+# (inject_faults); None: plain system calls.
+_injected: FaultInjector | None = None
+
+
+@contextlib.contextmanager
+def inject_faults(faults: FaultInjector) -> Iterator[FaultInjector]:
+    """Route every file operation of this process that is not given its own
+    ``_faults`` through ``faults`` while the block runs (every thread: a
+    save's or a load's helper threads too). For tests; not reentrant."""
+    global _injected
+    if not isinstance(faults, FaultInjector):
+        raise TypeError(f"faults must be a FaultInjector, got {type(faults).__name__}")
+    if _injected is not None:
+        raise RuntimeError("a FaultInjector is already installed")
+    _injected = faults
+    try:
+        yield faults
+    finally:
+        _injected = None
+
+
+def _faults_of(faults: FaultInjector | None) -> FaultInjector | None:
+    return faults if faults is not None else _injected
 
 
 _pools: dict[int, ThreadPool] = {}
@@ -94,11 +131,18 @@ def _pool_for(pool: ThreadPool | None, threads: int | None) -> ThreadPool | None
         return p
 
 
-def _file_table(paths: Iterable[PathLike]) -> tuple[list[str | bytes], list[int]]:
-    """Distinct paths in first-seen order, and each job's index into them."""
+def _file_table(paths: Iterable[PathLike], files: Iterable[PathLike] = ()
+                ) -> tuple[list[str | bytes], list[int]]:
+    """Distinct paths in first-seen order (``files`` first), and each job's
+    index into them."""
     table: list[str | bytes] = []
     index: dict[str | bytes, int] = {}
     idx: list[int] = []
+    for p in files:
+        key = os.fspath(p)
+        if key not in index:
+            index[key] = len(table)
+            table.append(key)
     for p in paths:
         key = os.fspath(p)
         i = index.get(key)
@@ -129,12 +173,17 @@ def write(
     writeback: bool = False,
     stage: Stage | None = None,
     stream: int | None = None,
+    files: Iterable[PathLike] = (),
+    patch: bool = False,
     _piece: int = 0,
     _faults: FaultInjector | None = None,
 ) -> list[int]:
     """Write every job; return each job's CRC-32 (0s when ``checksum`` is
-    false). Every file named by the jobs is created or truncated first
-    (O_CREAT|O_TRUNC), then sized to its last job's end; gaps read as zeros.
+    false). Every file named by the jobs or in ``files`` is created or
+    truncated first (O_CREAT|O_TRUNC), then sized to its last job's end
+    (a file in ``files`` with no job is left empty); gaps read as zeros.
+    With ``patch`` the files must exist: they are written in place and keep
+    their size (with no job, a file is only fsynced, with ``fsync``).
     With ``fsync`` every file is fsynced before the call returns. With
     ``writeback`` each piece's writeback to disk starts as soon as it is
     written (Linux sync_file_range), overlapping the disk with the rest of
@@ -149,7 +198,7 @@ def write(
     and filename) on a system failure; the files are then left in an
     unspecified state."""
     jobs = list(jobs)
-    paths, idx = _file_table(job.path for job in jobs)
+    paths, idx = _file_table((job.path for job in jobs), files)
     return _core.write_batch(
         paths,
         idx,
@@ -159,11 +208,12 @@ def write(
         bool(fsync),
         bool(checksum),
         _piece,
-        _faults,
+        _faults_of(_faults),
         bool(writeback),
         stage,
         _device_flags(jobs),
         stream,
+        bool(patch),
     )
 
 
@@ -200,7 +250,7 @@ def read(
         bool(verify),
         bool(checksum),
         _piece,
-        _faults,
+        _faults_of(_faults),
         stage,
         _device_flags(jobs),
     )
@@ -224,4 +274,42 @@ def atomic_publish(
     fsyncs are skipped with ``fsync=False``). On failure the temp file is
     removed and the old file is left as it was (unless only the final
     directory fsync failed: then the new file is in place, not yet durable)."""
-    _core.publish(path, data, bool(fsync), _faults)
+    _core.publish(path, data, bool(fsync), _faults_of(_faults))
+
+
+def read_file(path: PathLike, max_bytes: int, *,
+              _faults: FaultInjector | None = None) -> bytes:
+    """The whole regular file at ``path`` (1..``max_bytes`` bytes). Opened
+    without blocking and refused unless a regular file (a FIFO, a device or
+    a directory raises ShardstateError); one that is empty or larger, or
+    that changes size while read, raises ShardstateError; a system failure
+    ShardstateIOError (errno ENOENT when missing)."""
+    return _core.read_file(path, max_bytes, _faults_of(_faults))
+
+
+def file_size(path: PathLike, *, _faults: FaultInjector | None = None) -> int:
+    """The size of the regular file at ``path`` (refused as read_file)."""
+    return _core.file_size(path, _faults_of(_faults))
+
+
+def map_file(path: PathLike, *, _faults: FaultInjector | None = None) -> MappedFile:
+    """The regular file at ``path`` mapped read-only: a buffer (use
+    ``memoryview``), to ``close()`` when done (or use ``with``)."""
+    return _core.map_file(path, _faults_of(_faults))
+
+
+def unlink(path: PathLike, *, missing_ok: bool = True,
+           _faults: FaultInjector | None = None) -> bool:
+    """Remove ``path``; True if it was removed, False if it was missing."""
+    return _core.unlink(path, bool(missing_ok), _faults_of(_faults))
+
+
+def fsync_dir(path: PathLike, *, _faults: FaultInjector | None = None) -> None:
+    """fsync the directory ``path`` (its renames and removals are durable)."""
+    _core.fsync_dir(path, _faults_of(_faults))
+
+
+def makedirs(path: PathLike, *, _faults: FaultInjector | None = None) -> None:
+    """Create directory ``path`` and its missing parents; an existing
+    directory is fine, anything else in the way raises ShardstateIOError."""
+    _core.mkdirs(path, _faults_of(_faults))

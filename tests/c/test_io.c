@@ -4,6 +4,7 @@
  * nothing leaks; descriptors are counted in /proc/self/fd. */
 #include "ss_crc.h"
 #include "ss_error.h"
+#include "ss_file.h"
 #include "ss_io.h"
 #include "ss_os.h"
 #include "ss_pool.h"
@@ -423,7 +424,7 @@ static void test_publish(void)
     snprintf(sub, sizeof sub, "%s/pub", dir);
     mkdir(sub, 0777);
     snprintf(p, sizeof p, "%s/meta", sub);
-    CHECK_EQ_INT(ss_io_publish(NULL, p, "old", 3, 1, &e), 0);
+    CHECK_EQ_INT(ss_file_publish(NULL, p, "old", 3, 1, &e), 0);
     read_file(p, got, sizeof got);
     CHECK(strcmp(got, "old") == 0);
     CHECK_EQ_INT(count_entries(sub), 1);
@@ -436,7 +437,8 @@ static void test_publish(void)
         int fds = count_fds();
         ss_faults_reset(f);
         ss_faults_fail(f, ss_os_op_from_name(ops[i]), 1, EIO);
-        CHECK_EQ_INT(ss_io_publish(ss_faults_os(f), p, "new!", 4, 1, &e), -EIO);
+        CHECK_EQ_INT(ss_file_publish(ss_faults_os(f), p, "new!", 4, 1, &e),
+                     -EIO);
         CHECK(strcmp(e.op, ops[i]) == 0);
         CHECK(strcmp(e.path, p) == 0);
         read_file(p, got, sizeof got);
@@ -447,7 +449,7 @@ static void test_publish(void)
     /* the directory fsync comes after the rename: new content, an error */
     ss_faults_reset(f);
     ss_faults_fail(f, SS_OS_FSYNC_DIR, 1, EIO);
-    CHECK_EQ_INT(ss_io_publish(ss_faults_os(f), p, "new!", 4, 1, &e), -EIO);
+    CHECK_EQ_INT(ss_file_publish(ss_faults_os(f), p, "new!", 4, 1, &e), -EIO);
     CHECK(strcmp(e.op, "fsync_dir") == 0);
     CHECK_EQ_INT(count_entries(sub), 1);
     /* short writes and EINTR are absorbed */
@@ -455,7 +457,7 @@ static void test_publish(void)
     ss_faults_short(f, SS_OS_PWRITE, 1, 2);
     ss_faults_eintr(f, SS_OS_PWRITE, 2);
     ss_faults_eintr(f, SS_OS_RENAME, 1);
-    CHECK_EQ_INT(ss_io_publish(ss_faults_os(f), p, "fresh", 5, 1, &e), 0);
+    CHECK_EQ_INT(ss_file_publish(ss_faults_os(f), p, "fresh", 5, 1, &e), 0);
     read_file(p, got, sizeof got);
     CHECK(strcmp(got, "fresh") == 0);
     CHECK_EQ_INT(ss_faults_calls(f, SS_OS_PWRITE), 3);
