@@ -300,6 +300,26 @@ def test_classes_are_torchs():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_zstd_file_written_in_several_batches(tmp_path, monkeypatch, thread_count):
+    # A file whose transformed items span several engine batches keeps what
+    # every batch wrote (each batch used to create the file anew, so a file
+    # over _TRANSFORM_BATCH bytes kept only its last batch), byte for byte
+    # torch's.
+    from shardstate.checkpoint import _fs_write
+
+    monkeypatch.setattr(_fs_write, "_TRANSFORM_BATCH", 1000)
+    sd = _state_dict()
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    opts = {"thread_count": thread_count, "single_file_per_rank": True}
+    dcp.save(sd, storage_writer=FileSystemWriter(ours, _extensions=[ZStandard()], **opts))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(theirs, _extensions=[ZStandard()], **opts))
+    _compare_dirs(ours, theirs, ["stream.zstd/1"])
+    out = _empty_like(sd)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(ours))
+    _assert_equal(sd, out)
+
+
 @pytest.mark.parametrize(("thread_count", "single_file"), [(1, True), (3, True), (1, False)])
 def test_zstd_byte_identical_and_cross_load(tmp_path, thread_count, single_file):
     sd = _state_dict()

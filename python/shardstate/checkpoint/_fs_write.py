@@ -287,13 +287,14 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     if stage is not None:
         # the d2h copies start after the kernels queued so far
         stream = import_torch().cuda.current_stream(stage_device).cuda_stream
-    crcs = ssio.write(jobs, fsync=False, checksum=True, writeback=sync_files,
-                      stage=stage, stream=stream) if jobs else []
+    # the empty files torch creates are created by the same batch
+    crcs = ssio.write(jobs, files=empty_files, fsync=False, checksum=True, writeback=sync_files,
+                      stage=stage, stream=stream) if jobs or empty_files else []
     del keep
     for info, j in data_jobs:
         setattr(info, DATA_CRC_ATTR, crcs[j])
-    written = list(dict.fromkeys(os.fspath(j.path) for j in jobs))
-    _finish_files(written, trailers, crcs, empty_files, sync_files)
+    written = list(dict.fromkeys([*empty_files, *(os.fspath(j.path) for j in jobs)]))
+    _finish_files(written, trailers, crcs, sync_files)
     return results
 
 
@@ -310,13 +311,17 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
     jobs: list[ssio.WriteJob] = []
     pending = 0
     results: list[WriteResult] = []
-    empty_files: list[str] = []
-    cursors: dict[str, int] = {}  # the files written, and where each ends
+    cursors: dict[str, int] = {}  # where each file ends so far
+    # Every file is created (empty) first; the batches then write into them
+    # in place, so a file spanning two batches keeps what the first wrote.
+    paths = [os.fspath(root / name) for name, _items in files]
+    if paths:
+        ssio.write([], files=paths)
 
     def flush() -> None:
         nonlocal pending
         if jobs:
-            ssio.write(jobs, fsync=False, checksum=False, writeback=sync_files)
+            ssio.write(jobs, fsync=False, checksum=False, writeback=sync_files, patch=True)
         jobs.clear()
         pending = 0
 
@@ -326,8 +331,6 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         for name, items in files:
             path = os.fspath(root / name)
             byte_items, tensor_items = _file_order(items, reorder)
-            if not items:
-                empty_files.append(path)
             for item in byte_items:
                 data = planner.resolve_data(item)
                 buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
@@ -347,7 +350,7 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         if pending >= _TRANSFORM_BATCH:
             flush()
     flush()
-    _finish_files(list(cursors), [], [], empty_files, sync_files)
+    _finish_files(paths, [], [], sync_files)
     return results
 
 
@@ -377,36 +380,12 @@ def _in_order(tasks: Iterator[tuple], threads: int) -> Iterator[tuple]:
             yield (*done, fut.result())
 
 
-def _finish_files(
-    written: list[str],
-    trailers: list[_PendingTrailer],
-    crcs: list[int],
-    empty_files: list[str],
-    sync_files: bool,
-) -> None:
-    """Writes each tensor record's trailer (it holds the data's CRC),
-    creates the empty files torch creates, and fsyncs every file."""
-    by_path: dict[str, list[_PendingTrailer]] = {p: [] for p in written}
-    for tr in trailers:
-        by_path[tr.path].append(tr)
-    for path in empty_files:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-        try:
-            if sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    for path, trs in by_path.items():
-        if not trs and not sync_files:
-            continue
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            for tr in trs:
-                data = tr.trailer(crcs[tr.job])
-                n = os.pwrite(fd, data, tr.offset)
-                while n < len(data):
-                    n += os.pwrite(fd, data[n:], tr.offset + n)
-            if sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+def _finish_files(written: list[str], trailers: list[_PendingTrailer], crcs: list[int],
+                  sync_files: bool) -> None:
+    """Writes each tensor record's trailer (it holds the data's CRC) into
+    its file in place and, with ``sync_files``, fsyncs every written file:
+    one engine batch (patch mode: the files keep their size)."""
+    jobs = [ssio.WriteJob(tr.path, tr.offset, tr.trailer(crcs[tr.job])) for tr in trailers]
+    if jobs or sync_files:
+        ssio.write(jobs, files=written if sync_files else (), patch=True, fsync=sync_files,
+                   checksum=False)

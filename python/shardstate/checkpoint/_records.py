@@ -19,8 +19,9 @@ an ``lru_cache`` (safe to share).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
-import mmap
 import os
 import stat
 import struct
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import _core
+from .. import io as ssio
 from .._core import ShardstateError
 from .._util import contiguous_strides
 from ._zipfmt import (
@@ -88,25 +91,40 @@ def _index_key(index: Any) -> tuple[str, tuple[int, ...] | None]:
     return (index.fqn, None if off is None else tuple(off))
 
 
-def open_regular(path: str | os.PathLike, what: str) -> int:
-    """A read-only descriptor of ``path`` (symlinks followed), refused with
-    StorageFormatError unless it is a regular file: opened with O_NONBLOCK, so
-    a FIFO does not block waiting for a writer, then checked with fstat (a
-    directory, a device or a FIFO is refused), then set blocking again (the
-    flag means nothing to a regular file). FileNotFoundError if missing."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+_CODES = _core.error_codes()
+
+
+def _kind(path: str | os.PathLike) -> str:
+    """What the non-regular file at ``path`` is, for a refusal's text."""
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-                    if stat.S_ISSOCK(mode) else "not a plain file")
-            raise StorageFormatError(f"{what} {os.fspath(path)} is {kind}, not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "not a plain file"
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a plain file")
+
+
+@contextlib.contextmanager
+def file_errors(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """The core's refusals of a file a load reads, in a load's terms: a
+    missing file is FileNotFoundError, one that is not a regular file (a
+    FIFO, a device, a directory: opened without blocking, then refused), of
+    a size out of bounds or changing while read is StorageFormatError.
+    System failures stay ShardstateIOError (an OSError)."""
+    try:
+        yield
+    except ShardstateError as e:
+        code = getattr(e, "code", None)
+        if isinstance(e, OSError) and e.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, f"{what} {os.fspath(path)} is missing",
+                                    os.fspath(path)) from None
+        if code == _CODES["SS_ENOTREG"]:
+            raise StorageFormatError(
+                f"{what} {os.fspath(path)} is {_kind(path)}, not a regular file") from None
+        if code in (_CODES["SS_ERANGE"], _CODES["SS_ESHORT"]):
+            raise StorageFormatError(f"{what} {os.fspath(path)}: {e}") from None
         raise
-    return fd
 
 
 # --------------------------------------------------------------------------
@@ -276,13 +294,9 @@ class _Records:
             raise StorageFormatError(
                 f"{self.path}: storage path {rel!r} resolves to {full}, outside the checkpoint"
             )
-        try:
-            st = os.stat(full)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"checkpoint data file {full} is missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise StorageFormatError(f"checkpoint data file {full} is not a regular file")
-        f = files[rel] = _File(rel, full, st.st_size)
+        with file_errors(full, "checkpoint data file"):
+            size = ssio.file_size(full)
+        f = files[rel] = _File(rel, full, size)
         return f
 
     def requests(self, items: Iterable[Any]) -> list[_Req]:
@@ -429,10 +443,12 @@ class _Records:
             j = i
             while j < len(reqs) and reqs[j].file is f:
                 j += 1
-            with os.fdopen(open_regular(f.path, "checkpoint data file"), "rb") as fh:
-                if os.fstat(fh.fileno()).st_size < f.size:
-                    raise StorageFormatError(f"{f.path} shrank while being read")
-                mm = mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ)
+            with file_errors(f.path, "checkpoint data file"):
+                mapped = ssio.map_file(f.path)
+            if len(mapped) < f.size:
+                mapped.close()
+                raise StorageFormatError(f"{f.path} shrank while being read")
+            mm = memoryview(mapped)
             try:
                 for r in reqs[i:j]:
                     rec = self.expected(mm, r)
@@ -440,9 +456,10 @@ class _Records:
                         rec = _parsed(mm, r)
                     infos.append(_check_crc(r, rec))
             finally:
+                mm.release()
                 try:
-                    mm.close()
-                except BufferError:  # a traceback still holds a view; GC closes it
+                    mapped.close()
+                except BufferError:  # a traceback still holds a view; GC unmaps it
                     pass
             i = j
         return infos

@@ -27,7 +27,9 @@ earlier save, of either mode, is removed in ``prepare_local_plan``, before
 any data file is touched (``_stale_metadata``), and each tensor's storage
 entry carries its data's CRC-32 (``_records.DATA_CRC_ATTR``), so a load never
 takes one save's metadata over another's data. A load opens only regular
-files (``_records.open_regular``: a FIFO, device or directory is refused).
+files (``_records.file_errors`` names what the core refuses: a FIFO, a
+device or a directory). Every file operation goes through ``shardstate.io``
+(the core), so one FaultInjector reaches a whole save or load.
 ``.metadata`` is written by ``_pickle.dumps_metadata`` (torch's
 bytes, no torch needed) and read by ``_pickle.loads_metadata``
 (restricted); bytes items are checked with ``_pickle.loads_object`` before a
@@ -72,7 +74,7 @@ from ._pickle import (
     dumps_metadata,
     loads_metadata,
 )
-from ._records import StorageFormatError, _index_key, _Records, open_regular
+from ._records import StorageFormatError, _index_key, _Records, file_errors
 from .metadata import TORCH_TYPES, StorageMeta
 from .metadata import Metadata as Metadata
 from .planner import LoadItemType as LoadItemType
@@ -134,14 +136,6 @@ def _load_metadata(data: bytes, path: str = _METADATA_FN, allow_unsafe: bool = F
         return loads_metadata(data, allow_unsafe=allow_unsafe)
     except (UnsafePickleError, PickleFormatError) as e:
         raise StorageFormatError(f"{path}: refused or malformed checkpoint metadata: {e}") from e
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _validate_checkpoint_id(checkpoint_id: str | os.PathLike) -> bool:
@@ -251,7 +245,7 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
                                           if _RANK_METADATA.fullmatch(n)]
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        self.path.mkdir(parents=True, exist_ok=True)
+        ssio.makedirs(self.path)
         probe = self._metadata_path(None if self.use_collectives else 0)
         stale = self._stale_metadata()
         # Without overwrite, an earlier save of the other mode counts too.
@@ -266,15 +260,9 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
                 "overwrite=True.",
                 stacklevel=2,
             )
-        removed = False
-        for p in stale:
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                continue
-            removed = True
-        if removed:
-            _fsync_dir(self.path)
+        removed = [ssio.unlink(p, missing_ok=True) for p in stale]
+        if any(removed):
+            ssio.fsync_dir(self.path)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -419,20 +407,12 @@ class FileSystemReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._metadata_path(kwargs.get("rank"))
         try:
-            fd = open_regular(path, "checkpoint metadata")
+            with file_errors(path, "checkpoint metadata"):
+                data = ssio.read_file(path, _MAX_METADATA_BYTES)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"no checkpoint metadata at {path} (incomplete or missing checkpoint)"
             ) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not 0 < st.st_size <= _MAX_METADATA_BYTES:
-                raise StorageFormatError(
-                    f"{path} is {st.st_size} bytes, expected 1..{_MAX_METADATA_BYTES}"
-                )
-            data = f.read(st.st_size + 1)
-        if len(data) != st.st_size:
-            raise StorageFormatError(f"{path} changed size while being read")
         md = _load_metadata(data, os.fspath(path), self.unsafe_unpickle)
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
