@@ -169,11 +169,14 @@ int ss_file_read(const ss_os *os, const char *path, uint64_t max, void **out,
         goto out;
     }
     /* one byte more: a file that grew while read is not taken whole */
-    if (ss_io_read_all(os, fd, &probe, 1, size, &at) != SS_ESHORT) {
+    rc = ss_io_read_all(os, fd, &probe, 1, size, &at);
+    if (rc == 0)
         rc = ss_errinfo_set(err, SS_ESHORT, "pread", path, size,
                             "the file grew while being read");
-        goto out;
-    }
+    else if (rc == SS_ESHORT)
+        rc = 0;
+    else
+        ss_errinfo_set(err, rc, "pread", path, at, NULL);
 out:
     rc = close_fd(os, fd, rc, path, err);
     if (rc < 0) {
@@ -210,8 +213,11 @@ int ss_file_map(const ss_os *os, const char *path, void **addr, int64_t *size,
     if (*size > 0 && (uint64_t)*size > SIZE_MAX)
         rc = ss_errinfo_set(err, SS_ERANGE, "mmap", path, -1,
                             "the file is larger than the address space");
-    else if (*size > 0 && (rc = os->mmap(os, fd, (size_t)*size, addr)) < 0)
-        ss_errinfo_set(err, rc, "mmap", path, -1, NULL);
+    else if (*size > 0) {
+        RETRY(rc, os->mmap(os, fd, (size_t)*size, addr));
+        if (rc < 0)
+            ss_errinfo_set(err, rc, "mmap", path, -1, NULL);
+    }
     rc = close_fd(os, fd, rc, path, err); /* the mapping outlives it */
     if (rc < 0 && *addr != NULL) {
         os->munmap(os, *addr, (size_t)*size);

@@ -97,10 +97,10 @@ static PyObject *FaultInjector_short(FaultInjectorObject *self, PyObject *args)
         return NULL;
     if (nbytes < 0)
         return PyErr_Format(PyExc_ValueError, "nbytes must be >= 0");
-    if (op != SS_OS_PWRITE && op != SS_OS_PREAD)
+    if (op != SS_OS_PWRITE && op != SS_OS_PREAD && op != SS_OS_PREADV)
         return PyErr_Format(PyExc_ValueError,
-                            "short transfers apply to 'pwrite' and 'pread' "
-                            "only, not %R",
+                            "short transfers apply to 'pwrite', 'pread' and "
+                            "'preadv' only, not %R",
                             PyTuple_GET_ITEM(args, 0));
     return arm_result(ss_faults_short(self->faults, op, at, (size_t)nbytes),
                       "short");

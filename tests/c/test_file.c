@@ -203,6 +203,17 @@ static void test_faults_reach_every_call(void)
         rmdir(d);
         path_in(d, sizeof d, "x/y");
     }
+    /* the probe for growth (the second pread) failing is that failure,
+     * not "the file grew" */
+    ss_faults_reset(f);
+    CHECK_EQ_INT(ss_faults_fail(f, SS_OS_PREAD, 2, ENOSPC), 0);
+    {
+        void *buf = NULL;
+        uint64_t len = 0;
+        CHECK_EQ_INT(ss_file_read(ss_faults_os(f), p, 100, &buf, &len, &e),
+                     -ENOSPC);
+        CHECK(buf == NULL && e.job == -1 && e.offset == 16);
+    }
     /* short reads and EINTR are absorbed */
     ss_faults_reset(f);
     CHECK_EQ_INT(ss_faults_short(f, SS_OS_PREAD, 1, 3), 0);
