@@ -8,7 +8,6 @@ import os
 import threading
 
 import pytest
-
 import shardstate.io as sio
 from shardstate import ChecksumError, ShardstateError, ShardstateIOError
 

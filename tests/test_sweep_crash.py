@@ -94,7 +94,6 @@ def _child(path: str, seed: int, op: str | None, k: int, rank: int, world: int,
     ``path``)."""
     if world > 1:
         import torch.distributed as dist
-
         from shardstate.checkpoint import _liveness
 
         _liveness._DEAD_AFTER = 2.0  # a dead peer is named within seconds
