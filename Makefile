@@ -1,6 +1,8 @@
 # shardstate: the two commands that matter are `make demo` and `make test`.
-# Both set up everything they need on a fresh machine (a virtualenv in .venv
-# with torch==2.13.0, numpy, pytest, hypothesis, zstandard) and build the extension.
+# Both set up everything they need on a fresh machine: `make demo` a
+# virtualenv in .venv (torch==2.13.0, numpy, pytest, hypothesis, zstandard)
+# and the in-place extension; `make test` a wheel of this tree installed into
+# build/wheel-venv (the same dependencies), tested as users install it.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +19,7 @@ CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_
 # inside torch aborts the process under the ASan runtime.
 LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
-.PHONY: all venv build test wheel-test lint ctest tsan-ctest asan-test demo bench clean
+.PHONY: all venv build test wheel-test check lint ctest tsan-ctest asan-test demo bench clean
 
 all: build
 
@@ -33,34 +35,51 @@ venv: $(STAMP)
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-# The whole pytest suite; pytest's own exit status (5 = nothing collected)
-# makes make fail on any failure or on an empty run.
-test: build
-	$(PY) -m pytest -q tests
-
-# The suite against the package as users install it: a wheel built from
-# this tree (pip's isolated build), installed into a fresh virtualenv, and
-# the tests run from outside the tree, with nothing from python/ on the path
-# (SHARDSTATE_TEST_INSTALLED=1 makes tests/test_packaging.py insist on it).
-WHEEL_DIR  := build/wheel
-WHEEL_VENV := build/wheel-venv
+# The whole pytest suite against the package as users install it: a wheel
+# built from this tree (pip's isolated build), installed into its own
+# virtualenv (made once, with the test dependencies; the wheel is
+# reinstalled every run), and the tests run from outside the tree with
+# nothing from python/ on the path (SHARDSTATE_TEST_INSTALLED=1 makes
+# tests/test_packaging.py insist on it). pytest's own exit status (5 =
+# nothing collected) makes make fail on any failure or on an empty run.
+# `make check` runs the same suite in place, on the in-tree build (quicker
+# while developing).
+WHEEL_DIR   := build/wheel
+WHEEL_VENV  := build/wheel-venv
+WHEEL_STAMP := $(WHEEL_VENV)/.deps-stamp
 # The Makefile exports PYTHONPATH=python for the in-tree targets; here it
-# must go, or pip sees python/shardstate.egg-info and skips the install.
-WHEEL_ENV  := env -u PYTHONPATH
-wheel-test:
-	rm -rf $(WHEEL_DIR) $(WHEEL_VENV) build/wheel-run
+# must go, or pip sees python/shardstate.egg-info as installed and skips
+# the install, and the tests would import the tree instead of the wheel.
+WHEEL_ENV   := env -u PYTHONPATH
+PYTEST_ARGS ?=
+TESTS       ?= tests
+
+$(WHEEL_STAMP): pyproject.toml
+	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q --upgrade pip
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" \
+	    "hypothesis>=6" "setuptools>=77" "zstandard>=0.22"
+	touch $@
+
+test: $(WHEEL_STAMP)
+	rm -rf $(WHEEL_DIR) build/wheel-run
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip wheel -q --no-deps -w $(WHEEL_DIR) .
-	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" \
-	    "setuptools>=77" "zstandard>=0.22"
-	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q $(WHEEL_DIR)/shardstate-*.whl
+	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q --force-reinstall --no-deps \
+	    $(WHEEL_DIR)/shardstate-*.whl
 	mkdir -p build/wheel-run
 	cd build/wheel-run && $(WHEEL_ENV) $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
 	    "import shardstate.checkpoint, shardstate.fsdp; print('installed:', shardstate.__file__)"
 	cd build/wheel-run && $(WHEEL_ENV) SHARDSTATE_TEST_INSTALLED=1 \
 	    $(CURDIR)/$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	    --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml $(CURDIR)/tests
+	    --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml $(PYTEST_ARGS) \
+	    $(addprefix $(CURDIR)/,$(TESTS))
+
+# The former name of `make test`.
+wheel-test: test
+
+check: build
+	$(PY) -m pytest -q $(PYTEST_ARGS) $(TESTS)
 
 # ruff over the Python, clang-format (check mode) over the C; pinned versions.
 LINT_STAMP := $(VENV)/.lint-stamp
