@@ -111,3 +111,67 @@ def test_bad_arguments():
 def test_fixture(run_distributed):
     out = run_distributed(_allreduce, 2)
     assert [v for _, _, v in out] == [1.0, 1.0]
+
+
+def _env_and_modules(rank, world_size, name):
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    return (os.environ.get(name), os.getpid(), float(t), "shardstate.checkpoint" in sys.modules)
+
+
+def test_forkserver_ranks_see_the_callers_environment(monkeypatch):
+    name = "SHARDSTATE_TESTING_PROBE"
+    monkeypatch.setenv(name, "first")
+    out = run_distributed(_env_and_modules, 3, name, timeout=60, start_method="forkserver")
+    assert [e for e, _, _, _ in out] == ["first"] * 3
+    assert [v for _, _, v, _ in out] == [3.0] * 3
+    assert all(pre for _, _, _, pre in out)  # forked after the server's imports
+    monkeypatch.setenv(name, "second")  # the server started with "first"
+    again = run_distributed(_env_and_modules, 2, name, timeout=60, start_method="forkserver")
+    assert [e for e, _, _, _ in again] == ["second"] * 2
+    assert not {p for _, p, _, _ in out} & {p for _, p, _, _ in again}
+    assert mp.active_children() == []
+
+
+def _stuck_rank1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_may_fail_rank_still_running_is_killed_after_a_grace():
+    t0 = time.monotonic()
+    out = run_distributed(_stuck_rank1, 3, timeout=120, may_fail={1}, start_method="forkserver")
+    assert out[0] == 0 and out[2] == 2
+    assert isinstance(out[1], str) and "still running" in out[1] and "killed" in out[1]
+    assert time.monotonic() - t0 < 60  # not the run's timeout
+    assert mp.active_children() == []
+
+
+def _barrier_past_group_timeout(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(8)  # past the group's timeout, within the run's
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.barrier()
+    except RuntimeError:
+        return time.monotonic() - t0
+    return None
+
+
+def test_group_timeout_is_the_process_groups_own():
+    out = run_distributed(_barrier_past_group_timeout, 2, timeout=60, group_timeout=2,
+                          may_fail={1}, start_method="forkserver")
+    assert out[0] is not None and 1.5 < out[0] < 7.0, out
+    with pytest.raises(ValueError, match="group_timeout"):
+        run_distributed(_allreduce, 1, group_timeout=0)
+    with pytest.raises(ValueError, match="start_method"):
+        run_distributed(_allreduce, 1, start_method="fork")

@@ -15,20 +15,38 @@ until the group's timeout (30 min by default) on the others. Here:
   at the call's note (below), and at heartbeats: the coordinator at every
   rank's, the others at the coordinator's (and at everyone's once they have
   waited ``_WATCH_ALL_AFTER``). A peer whose count has not moved for
-  ``_DEAD_AFTER`` seconds is gone; a slow peer that is alive (writing for
-  minutes) keeps beating and is waited for. A collective that fails with a
-  RuntimeError (gloo's lost connection) is followed by up to
-  ``_DEAD_AFTER + 2 * _BEAT`` seconds of looking, to name the rank.
+  ``_dead_after()`` seconds (``SHARDSTATE_DEAD_RANK_S``, default 10) is
+  gone; a slow peer that is alive (writing for minutes) keeps beating and
+  is waited for. A collective that fails with a RuntimeError (gloo's lost
+  connection) is followed by up to that limit plus ``2 * _BEAT`` seconds
+  of looking, to name the rank.
+* **A rank stuck alive.** A rank that never arrives at a step but keeps
+  beating (blocked forever in a planner, a stager, a ``load_state_dict``)
+  is not gone; nor is a slow one, and the two can't be told apart by
+  looking. The rule: a live rank is waited for as long as the process
+  group's own timeout (``init_process_group(timeout=)``; async_save's
+  private group gets the same) allows for one collective, and no longer.
+  When a collective fails after waiting that long, the ranks that never
+  arrived at it are named: each waiter that passes its first slice marks
+  ``shardstate/arrive/<group>/<call>`` + ``/<rank>`` with its collective's
+  index in the call, and on the timeout a rank whose mark is missing or
+  lower is one the others waited for in vain (one that arrived within the
+  last slice may be named with it). A rank slow for minutes
+  inside a step (writing) delays the others' next collective by as long,
+  and is waited for: set the group's timeout above the longest step.
 * **Notes.** ``shardstate/note/<group>/<call>``: the first rank to know why
-  a call cannot finish (a peer gone, its own collective failed, or a
-  SystemExit / KeyboardInterrupt leaving the call) writes the failures
+  a call cannot finish (a peer gone or stuck, its own collective failed, or
+  a SystemExit / KeyboardInterrupt leaving the call) writes the failures
   there, so every other waiter raises the same CheckpointException within
-  a slice. Calls are numbered per group by ``Guard.session``; every rank of
-  a group makes the same calls in the same order.
+  a slice; a rank that reaches its own verdict after the note was written
+  raises the note's. Calls are numbered per group by ``Guard.session``, and
+  collectives within a call by ``Guard.run``; every rank of a group makes
+  the same calls and collectives in the same order.
 
 Cost on the normal path: a hand-off to a helper thread per collective (one
 thread per calling thread, reused); one store op at a process's first
-call; nothing per item. A rank that is declared gone
+call; nothing per item. A collective that outlasts its first slice costs
+one more store op (its arrival mark). A rank that is declared gone
 leaves its collective running in the helper thread (until the group's own
 timeout); the group is unusable by then anyway.
 
@@ -53,10 +71,16 @@ from .api import CheckpointException, _wrap_exception
 T = TypeVar("T")
 
 _BEAT = 1.0  # seconds between a process's heartbeats
-# A heartbeat that has not moved for this long: the rank is gone. Long enough
-# that a live rank whose Python threads are held off by a long GIL-holding
-# call is not taken for dead; SHARDSTATE_DEAD_RANK_S sets it.
-_DEAD_AFTER = float(os.environ.get("SHARDSTATE_DEAD_RANK_S", "10"))
+
+
+def _dead_after() -> float:
+    """A heartbeat that has not moved for this long: the rank is gone. Long
+    enough that a live rank whose Python threads are held off by a long
+    GIL-holding call is not taken for dead; SHARDSTATE_DEAD_RANK_S sets it
+    (read at each use: a process forked from one that imported this module
+    earlier sees its own environment)."""
+    return float(os.environ.get("SHARDSTATE_DEAD_RANK_S", "10"))
+
 _TICK = 0.5  # a waiter looks at notes and heartbeats this often
 _WATCH_ALL_AFTER = 15.0  # a non-coordinator then watches every rank, not just the coordinator
 _PREFIX = "shardstate"
@@ -161,6 +185,18 @@ def _device_setter() -> Callable[[], None]:
     return lambda: torch.cuda.set_device(index)
 
 
+def group_timeout(dist: Any, group: Any) -> float | None:
+    """The process group's own timeout for a collective, in seconds (None
+    where the backend does not say)."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        for device in pg._device_types:
+            return float(pg._get_backend(device).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a backend without options: unknown
+        pass
+    return None
+
+
 class Guard:
     """Liveness of one coordinator's group (2+ ranks): bounded waits,
     heartbeats and notes. ``make`` returns None where the group's store
@@ -176,6 +212,9 @@ class Guard:
         self.rank = rank
         self.coordinator_rank = coordinator_rank
         self._note: str | None = None  # the current call's note key
+        self._arrive: str | None = None  # the current call's arrival marks' prefix
+        self._seq = 0  # the next collective's index in the current call
+        self._limit = group_timeout(dist, group)
         self._depth = 0
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (count, since)
         self._present: set[int] = set()  # ranks whose heartbeat key exists
@@ -203,6 +242,8 @@ class Guard:
                 n = _calls.get(self.group_name, 0)
                 _calls[self.group_name] = n + 1
             self._note = f"{_PREFIX}/note/{self.group_name}/{n}"
+            self._arrive = f"{_PREFIX}/arrive/{self.group_name}/{n}/"
+            self._seq = 0
 
     def _exit(self, exc: BaseException | None) -> None:
         self._depth -= 1
@@ -212,7 +253,7 @@ class Guard:
             # SystemExit, KeyboardInterrupt: this rank leaves the call, and
             # tells those that may wait for it
             self._publish("checkpoint", {self.rank: _wrap_exception(exc)})
-        self._note = None
+        self._note = self._arrive = None
 
     # ---- waits
 
@@ -223,6 +264,8 @@ class Guard:
         box: dict[str, Any] = {}
         done = threading.Event()
         set_device = _device_setter()
+        seq = self._seq
+        self._seq += 1
 
         def work() -> None:
             try:
@@ -233,11 +276,12 @@ class Guard:
             finally:
                 done.set()
 
+        start = time.monotonic()
         _worker().submit(work)
         try:
             if not done.wait(_TICK):
                 self._seen.clear()
-                start = time.monotonic()
+                self._mark(seq)
                 while not done.wait(_TICK):
                     waited = time.monotonic() - start
                     self._look(step, all_ranks=self.rank == self.coordinator_rank
@@ -246,24 +290,33 @@ class Guard:
             _abandon()  # its thread stays in the collective; the next gets a new one
             raise
         if "error" in box:
-            self._failed(step, box["error"])
+            self._failed(step, seq, box["error"], time.monotonic() - start)
         return box["value"]
 
-    def _failed(self, step: str, error: BaseException) -> None:
-        """The collective raised: name a peer that is gone if there is one
-        (a lost connection comes first, the heartbeat stops after), else
-        report this rank's error."""
+    def _failed(self, step: str, seq: int, error: BaseException, waited: float) -> None:
+        """The collective raised: after a wait as long as the group's
+        timeout, name the ranks that never arrived; else name a peer that is
+        gone if there is one (a lost connection comes first, the heartbeat
+        stops after); else report this rank's error."""
         if isinstance(error, RuntimeError):
+            self._mark(seq)
+            if self._limit is not None and waited >= self._limit:
+                self._look(step, all_ranks=True)  # a note, or a peer gone, comes first
+                absent = self._absent(seq)
+                if absent:
+                    raise self._verdict(step, {r: _wrap_exception(RuntimeError(
+                        f"rank {r}{self._global(r)} never arrived at step '{step}' while the "
+                        f"others waited there for the process group's timeout "
+                        f"({self._limit:g} s): it is stuck, or slower than that timeout "
+                        f"allows")) for r in absent}) from error
             self._seen.clear()
-            deadline = time.monotonic() + _DEAD_AFTER + 2 * _BEAT
+            deadline = time.monotonic() + _dead_after() + 2 * _BEAT
             while True:
                 self._look(step, all_ranks=True)
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(_TICK)
-        failures = {self.rank: _wrap_exception(error)}
-        self._publish(step, failures)
-        raise shared(CheckpointException(step, failures)) from error
+        raise self._verdict(step, {self.rank: _wrap_exception(error)}) from error
 
     def _look(self, step: str, all_ranks: bool) -> None:
         """Raises CheckpointException if the call has a note, or a watched
@@ -284,15 +337,13 @@ class Guard:
                 f"rank {self.rank} cannot reach the process group's store to tell whether "
                 f"its peers are alive: {type(e).__name__}: {e}"))})) from e
         if gone:
-            failures = {r: _wrap_exception(RuntimeError(
+            raise self._verdict(step, {r: _wrap_exception(RuntimeError(
                 f"rank {r}{self._global(r)} is gone: no heartbeat for {secs:.0f} s while step "
                 f"'{step}' waited for it (it died, was killed, or stopped running)"))
-                for r, secs in sorted(gone.items())}
-            self._publish(step, failures)
-            raise shared(CheckpointException(step, failures))
+                for r, secs in sorted(gone.items())})
 
     def _stopped(self, ranks: list[int]) -> dict[int, float]:
-        """Ranks whose heartbeat has not moved for _DEAD_AFTER seconds of
+        """Ranks whose heartbeat has not moved for _dead_after() seconds of
         this waiter's looking -> for how long. A rank without a heartbeat
         key yet (not at its first call) is not judged."""
         unknown = [r for r in ranks if r not in self._present]
@@ -307,12 +358,13 @@ class Guard:
             return {}
         counts = self.store.multi_get([self._alive_key(r) for r in ranks])
         now = time.monotonic()
+        limit = _dead_after()
         gone = {}
         for r, count in zip(ranks, counts):
             old = self._seen.get(r)
             if old is None or old[0] != count:
                 self._seen[r] = (count, now)
-            elif now - old[1] >= _DEAD_AFTER:
+            elif now - old[1] >= limit:
                 gone[r] = now - old[1]
         return gone
 
@@ -320,14 +372,50 @@ class Guard:
         g = self.ranks[rank]
         return "" if g == rank else f" (global rank {g})"
 
-    def _publish(self, step: str, failures: dict[int, Any]) -> None:
-        """The call's note, unless there is one already (the first cause stands)."""
-        if self._note is None:
+    def _mark(self, seq: int) -> None:
+        """This rank has arrived at the call's collective ``seq`` (written
+        once a wait outlasts its first slice)."""
+        if self._arrive is None:
             return
         try:
-            self.store.compare_set(self._note, "", pickle.dumps((step, failures)))
-        except Exception:  # noqa: BLE001 - best effort: the others still watch heartbeats
+            self.store.set(self._arrive + str(self.rank), str(seq))
+        except Exception:  # noqa: BLE001 - best effort: then this rank may be named
             pass
+
+    def _absent(self, seq: int) -> list[int]:
+        """The peers that have not arrived at the call's collective ``seq``
+        (nor at a later one)."""
+        if self._arrive is None:
+            return []
+        absent = []
+        try:
+            for r in range(len(self.ranks)):
+                key = self._arrive + str(r)
+                if r != self.rank and (not self.store.check([key])
+                                       or int(self.store.get(key)) < seq):
+                    absent.append(r)
+        except Exception:  # noqa: BLE001 - the store is unreachable: nobody is named
+            return []
+        return absent
+
+    def _verdict(self, step: str, failures: dict[int, Any]) -> CheckpointException:
+        """The call's outcome: its note if another rank wrote one first,
+        else ``failures``, published as the note."""
+        standing = self._publish(step, failures)
+        if standing is not None:
+            step, failures = standing
+        return shared(CheckpointException(step, failures))
+
+    def _publish(self, step: str, failures: dict[int, Any]) -> tuple[str, Any] | None:
+        """The call's note, unless there is one already (the first cause
+        stands); returns the note that stands (None if unknown)."""
+        if self._note is None:
+            return None
+        try:
+            return pickle.loads(self.store.compare_set(self._note, "",
+                                                       pickle.dumps((step, failures))))
+        except Exception:  # noqa: BLE001 - best effort: the others still watch heartbeats
+            return None
 
 
 class _Session:

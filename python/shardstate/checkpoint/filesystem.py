@@ -527,8 +527,11 @@ class _Collectives:
         return sd
 
     def abort(self) -> None:
-        """This rank failed before ``read_data``: it still takes part in the
-        exchange (as failed) so no rank waits for its broadcasts."""
+        """This rank failed before ``read_data`` began (in ``finish_plan``,
+        or a subclass's ``read_data`` before this one's): it still takes
+        part in the exchange (as failed) so no rank waits for its
+        broadcasts. A no-op once ``read_data`` has begun: its exchange
+        takes part itself, failing or not."""
         sd = self._take_armed()
         if isinstance(sd, _LoadPlanData) and sd.bcast is not None:
             exchange(self.coord, sd.bcast, {}, None, None, failed=True)

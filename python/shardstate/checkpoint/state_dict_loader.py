@@ -111,8 +111,10 @@ class LoadCollectives(Protocol):
         (which may drop it)."""
 
     def abort(self) -> None:
-        """``finish_plan`` raised on this rank: ``read_data`` will not run;
-        take part in whatever the other ranks wait for, as failed."""
+        """``finish_plan`` or ``read_data`` raised on this rank: take part,
+        as failed, in whatever the other ranks may still wait for in this
+        read; nothing where the reader's own ``read_data`` took part already
+        (a subclass's or a wrapper's ``read_data`` may raise before it)."""
 
     def pieces(self) -> Any:
         """After ``read_data``: what this rank contributes to ``verify``."""
@@ -166,15 +168,14 @@ def _plan_and_read(state_dict: dict[str, Any], reader: Any, coord: _Coordinator,
 
     def read_data() -> Any:
         if collectives is None:
-            plan = planner.finish_plan(central_plan)
+            futures = reader.read_data(planner.finish_plan(central_plan), planner)
         else:
             collectives.arm(getattr(central_plan, "storage_data", None))
             try:
-                plan = planner.finish_plan(central_plan)
+                futures = reader.read_data(planner.finish_plan(central_plan), planner)
             except BaseException:
                 collectives.abort()  # the other ranks may wait for this one
                 raise
-        futures = reader.read_data(plan, planner)
         futures.wait()
         return None if collectives is None else collectives.pieces()
 

@@ -7,11 +7,13 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future, wait
+from datetime import timedelta
 from enum import Enum
 from typing import Any
 
 from . import _staging
 from ._dist import _Coordinator
+from ._liveness import group_timeout
 from ._setup import _coordinator, _storage_setup
 from .api import _wrap_exception
 from .default_planner import DefaultSavePlanner as DefaultSavePlanner
@@ -261,8 +263,14 @@ def _async_group(process_group: Any) -> Any:
     key = process_group if process_group is not None else "default"
     with _async_groups_lock:
         if key not in _async_groups:
+            # with the caller's group's timeout: new_group's default is
+            # gloo's 30 minutes, whatever init_process_group was given, and
+            # it bounds how long a rank stuck alive holds the others
+            # (_liveness)
+            seconds = group_timeout(dist, process_group)
             _async_groups[key] = dist.new_group(
-                ranks=list(range(dist.get_world_size())), backend="gloo")
+                ranks=list(range(dist.get_world_size())), backend="gloo",
+                timeout=None if seconds is None else timedelta(seconds=seconds))
         return _async_groups[key]
 
 
