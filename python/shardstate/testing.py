@@ -166,7 +166,7 @@ def run_distributed(
     backend: str = "gloo",
     may_fail: Collection[int] = (),
     group_timeout: float | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
@@ -177,8 +177,10 @@ def run_distributed(
     raises or dies does not fail the run: its entry is the reason (a str).
     ``group_timeout``: the process group's timeout (default ``timeout``);
     ``start_method``: ``"spawn"`` or ``"forkserver"`` (see the module's
-    docstring).
+    docstring; None: ``$SHARDSTATE_TEST_START_METHOD``, else ``"spawn"``).
     """
+    if start_method is None:
+        start_method = os.environ.get("SHARDSTATE_TEST_START_METHOD") or "spawn"
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
