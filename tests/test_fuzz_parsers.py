@@ -355,6 +355,15 @@ def test_fuzz_bytes_item_record(data: bytes) -> None:
     check_bytes_item(data)
 
 
+@FUZZ
+@seed(SEED)
+@given(mutated(RECORDS))
+def test_fuzz_bytes_item_holding_tensors(data: bytes) -> None:
+    """A bytes item may be any torch.save record; one holding tensors is
+    read by torch.load(weights_only=True), whose errors are ours too."""
+    check_bytes_item(data)
+
+
 _BYTES_PICKLES = {n: b for n, b in PICKLES.items() if n.startswith(("bytesitem_", "plain_"))}
 
 
@@ -443,6 +452,8 @@ def test_corpus_replays_and_valid_seeds_load() -> None:
         assert set(loads_metadata(data).state_dict_metadata) >= {"w", "b", "extra.step"}, name
     for name, rec in RECORDS.items():
         assert check_parse_record(rec) is not None, name
+        check_bytes_item(rec)
+        assert isinstance(loads_object(rec), torch.Tensor), name
         records, r = _RECOGNISERS[name]
         assert records.parse_buffer(bytearray(rec), r).data_length >= 0
     values = {"torch_extra_step.bytes": 7, "torch_extra_name.bytes": "run-1",
