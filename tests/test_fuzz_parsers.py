@@ -538,6 +538,39 @@ def test_zstd_bomb_is_refused_at_the_limit() -> None:
     assert peak < 16 * _MB, peak
 
 
+def _frame_desync(hidden: bytes) -> bytes:
+    """A stream that CPython's C unpickler would read otherwise than the
+    scan: a FRAME ends 5 bytes into a SHORT_BINUNICODE's data; the C
+    unpickler drops those 5 bytes and reads the string from the file, and
+    so runs as opcodes ``hidden``, which the scan (and pickle.py) see as a
+    BINBYTES' data. (Its length bytes end up in the C string: they must be
+    UTF-8, so hidden is padded to a length whose bytes are ASCII.)"""
+    size = 0x7F7F if len(hidden) <= 0x7F7F else 0x047F7F
+    hidden += b"." * (size - len(hidden))
+    frame = b"N\x8c\x10" + b"x" * 5
+    return (b"\x80\x04\x95" + struct.pack("<Q", len(frame)) + frame + b"y" * 11
+            + b"B" + struct.pack("<I", len(hidden)) + hidden + b"0.")
+
+
+def test_scan_refuses_frame_desync() -> None:
+    """Found by test_fuzz_restricted_unpickler (kept in tests/fuzz/crashes/):
+    the scan passed streams in which an opcode runs past the end of its
+    FRAME. The C unpickler then ran bytes the scan had taken for data: a
+    forged memo index made a 140-byte .metadata allocate 1 GiB, a tuple
+    nested 290000 deep overflowed the C stack (SIGSEGV). The scan now
+    refuses them; the reference reads them as the scan does."""
+    memo = _frame_desync(b"r" + struct.pack("<I", 1 << 26) + b".")  # 2^27 memo slots: 1 GiB
+    deep = _frame_desync(b"})" + b"\x85" * 290_000 + b"Ns.")  # hashed 290000 deep
+    for data in (memo, deep):
+        with pytest.raises(shardstate.ShardstateError, match="past the end of its FRAME"):
+            shardstate._core.pickle_scan(data)
+    peak = _peak(lambda: _refused(lambda: loads_metadata(memo), (PickleFormatError,)))
+    assert peak < 64 * _MB, peak
+    with pytest.raises(PickleFormatError, match="holds str"):  # the scan's reading
+        loads_metadata(deep)
+    assert _outcome(memo, A._PLAIN_GLOBALS, True) == _outcome(memo, A._PLAIN_GLOBALS, False)
+
+
 def test_zip_bombs_stay_small() -> None:
     """Records whose directory declares sizes far past the data: refused
     without allocating what they declare."""

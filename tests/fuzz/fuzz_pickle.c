@@ -10,7 +10,9 @@
  *  - the scan returns 0, SS_EINVAL, SS_ERANGE or SS_ENOMEM, and err says
  *    the same code, an offset inside [0, len] and a detail;
  *  - a pass is one the walk proves: no refused opcode, every argument and
- *    frame inside the data, PROTO only first and at most 5, every memo
+ *    frame inside the data, every opcode that starts inside a FRAME ending
+ *    inside it and no FRAME inside another (the C unpickler would skip the
+ *    rest of the frame), PROTO only first and at most 5, every memo
  *    index stored at most the entries stored before it, every BINGET of a
  *    stored entry, DUPs within the stream's bytes plus the slack; the scan
  *    and the walk agree on where STOP ends, how many opcodes there are
@@ -48,7 +50,7 @@ typedef struct walk_result {
     size_t end;       /* just past the first STOP */
     size_t ops;       /* opcodes up to and including it */
     int proto;        /* the leading PROTO's version, else 0 */
-    size_t frame_end; /* the furthest end of a FRAME */
+    size_t frame_end; /* the end of the last FRAME */
     char why[96];     /* the first property that fails */
 } walk_result;
 
@@ -183,6 +185,11 @@ static walk_result walk(const uint8_t *d, size_t n)
         if (!argument(&w, d, n, at, &argn, &v))
             return w;
         p = at + 1 + argn;
+        /* inside a frame, an opcode ends in it and no FRAME starts */
+        if (at < w.frame_end && (p > w.frame_end || op == 0x95)) {
+            fail(&w, "opcode across the end of its FRAME", at);
+            return w;
+        }
         w.ops++;
         switch (op) {
         case 0x80:
@@ -197,8 +204,7 @@ static walk_result walk(const uint8_t *d, size_t n)
                 fail(&w, "FRAME past the end", at);
                 return w;
             }
-            if (p + v > w.frame_end)
-                w.frame_end = p + (size_t)v;
+            w.frame_end = p + (size_t)v;
             break;
         case 'p':
         case 'q':
