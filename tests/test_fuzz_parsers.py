@@ -7,8 +7,9 @@ zstd-transformed items as stored, pickles of plain objects and hand-made
 edge cases; tests/fuzz/make_corpus.py wrote them). Hypothesis mutates them:
 bit flips, byte writes, truncation, deletion, insertion, splicing in bytes
 of another seed, repeats, and edits of length and offset fields (found from
-the zip signatures and the pickle opcodes). Each parser must either give a
-well-formed result or raise the errors it documents, never anything else:
+the zip signatures and the pickle opcodes) and of a pickle's integers. Each
+parser must either give a well-formed result or raise the errors it
+documents, never anything else:
 
 - ``_zipfmt.parse_record``: RecordFormatError;
 - record recognition, ``_Records.parse_buffer`` (the byte comparison with
@@ -144,6 +145,17 @@ def _fields(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
+def _ints(data: bytes) -> list[tuple[int, int]]:
+    """(offset, width) of the pickle's integers (BININT1/2, BININT): in a
+    .metadata, the sizes, offsets and lengths everything else trusts."""
+    widths = {"BININT1": 1, "BININT2": 2, "BININT": 4}
+    try:
+        return [(pos + 1, widths[op.name]) for op, _arg, pos in pickletools.genops(data)
+                if op.name in widths]
+    except Exception:  # noqa: BLE001 - not a pickle: no integers then
+        return []
+
+
 def _interesting(n: int) -> list[int]:
     return [0, 1, 2, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF,
             (1 << 63) - 1, (1 << 64) - 1, n - 1, n, n + 1, n // 2, 2 * n]
@@ -156,11 +168,11 @@ def mutated(draw: Any, seeds: dict[str, bytes], max_edits: int = 4) -> bytes:
     name = draw(st.sampled_from(names))
     data = bytearray(seeds[name])
     note(f"seed input {name!r}; SHARDSTATE_FUZZ_SEED={SEED}")
-    fields = _fields(bytes(data))
+    fields, ints = _fields(bytes(data)), _ints(bytes(data))
     for _ in range(draw(st.integers(1, max_edits))):
         n = len(data)
         kind = draw(st.sampled_from(["flip", "byte", "cut", "delete", "insert", "splice",
-                                     "repeat", "field", "field"]))
+                                     "repeat", "field", "field", "int"]))
         pos = draw(st.integers(0, 1 << 16)) % (n + 1)
         if kind == "flip" and n:
             data[pos % n] ^= 1 << draw(st.integers(0, 7))
@@ -188,6 +200,11 @@ def mutated(draw: Any, seeds: dict[str, bytes], max_edits: int = 4) -> bytes:
             if at + width <= n:
                 v = draw(st.sampled_from(_interesting(n))) % (1 << (8 * width))
                 data[at : at + width] = v.to_bytes(width, "little")
+        elif kind == "int" and ints:
+            at, width = draw(st.sampled_from(ints))
+            if at + width <= n:
+                v = draw(st.integers(0, 9) | st.sampled_from(_interesting(n)))
+                data[at : at + width] = (v % (1 << (8 * width))).to_bytes(width, "little")
     return bytes(data)
 
 
@@ -418,6 +435,74 @@ def test_fuzz_transform_descriptors(desc: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------
+# A whole checkpoint: one of its files mutated, then loaded
+# --------------------------------------------------------------------------
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(4, 3, generator=g), "s": torch.randn(6, 4, generator=g).t(),
+            "b": torch.arange(5), "extra": {"step": 7, "name": "x"}}
+
+
+def _zeros() -> dict[str, Any]:
+    return {"w": torch.zeros(4, 3), "s": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.int64),
+            "extra": {"step": 0, "name": ""}}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import shardstate.checkpoint as dcp
+    from shardstate.checkpoint._extension import ZStandard
+
+    out = {}
+    for kind in ("plain", "zstd"):
+        path = tmp_path_factory.mktemp(kind)
+        ext = {"_extensions": [ZStandard()]} if kind == "zstd" else {}
+        dcp.save(_state(), storage_writer=dcp.FileSystemWriter(path, **ext))
+        out[kind] = path
+    return out
+
+
+# What a load may raise for a damaged checkpoint (inside the CheckpointException
+# every rank raises): the storage layer's errors, a missing data file (a
+# damaged relative_path), and the planner's checks of metadata against the
+# destination (shapes, keys, kinds of value), as torch's.
+_LOAD_ERRORS = (StorageFormatError, ChecksumError, FileNotFoundError)
+_PLANNER = re.compile(r"^(Size mismatch|Missing key|Invalid checkpoint metadata)")
+
+
+@FUZZ
+@seed(SEED)
+@given(st.sampled_from(["plain", "zstd"]), st.sampled_from([".metadata", "__0_0.distcp"]),
+       st.data())
+def test_fuzz_checkpoint_files(checkpoints: dict[str, Path], kind: str, file: str,
+                               d: st.DataObject) -> None:
+    """A load of a checkpoint with one damaged file either gives exactly the
+    saved values or fails with the documented errors: never a silently
+    different state."""
+    import shardstate.checkpoint as dcp
+
+    path = checkpoints[kind] / file
+    good = path.read_bytes()
+    path.write_bytes(d.draw(mutated({file: good})))
+    try:
+        out = _zeros()
+        dcp.load(out, checkpoint_id=checkpoints[kind])
+    except dcp.CheckpointException as e:
+        for exc, _frames in e.failures.values():
+            assert isinstance(exc, _LOAD_ERRORS) or (
+                type(exc) in (ValueError, RuntimeError) and _PLANNER.match(str(exc))), repr(exc)
+        return
+    finally:
+        path.write_bytes(good)
+    want = _state()
+    for k in ("w", "s", "b"):
+        assert torch.equal(out[k], want[k]), k
+    assert out["extra"] == want["extra"]
+
+
+# --------------------------------------------------------------------------
 # Replays: every kept crash input and every corpus file, through every reader
 # --------------------------------------------------------------------------
 
@@ -569,6 +654,27 @@ def test_scan_refuses_frame_desync() -> None:
     with pytest.raises(PickleFormatError, match="holds str"):  # the scan's reading
         loads_metadata(deep)
     assert _outcome(memo, A._PLAIN_GLOBALS, True) == _outcome(memo, A._PLAIN_GLOBALS, False)
+
+
+def test_metadata_chunks_outside_their_tensor_are_refused() -> None:
+    """Found by mutating a checkpoint's .metadata and loading it: a chunk's
+    offset moved past its tensor made the load succeed with that tensor
+    left untouched (the read plan found nothing to read for it). Such a
+    chunk is refused when .metadata is read; an empty chunk may sit at the
+    end (torch puts some there)."""
+    def md(offsets: tuple, sizes: tuple, size: tuple = (4, 6)) -> bytes:
+        chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        t = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), [chunk])
+        return pickle.dumps(Metadata({"s": t}))
+
+    for offsets, sizes in (((213, 0), (4, 6)), ((0, 1), (4, 6)), ((0, 0), (5, 6)),
+                           ((0,), (4,)), ((0, 0, 0), (4, 6, 1))):
+        with pytest.raises(PickleFormatError, match="outside"):
+            loads_metadata(md(offsets, sizes))
+    for offsets, sizes in (((0, 0), (4, 6)), ((2, 3), (2, 3)), ((4, 0), (0, 6))):
+        assert loads_metadata(md(offsets, sizes)).state_dict_metadata["s"].chunks[0].offsets == \
+            torch.Size(offsets)
+    assert loads_metadata(md((), (), ())).state_dict_metadata["s"].size == torch.Size([])
 
 
 def test_zip_bombs_stay_small() -> None:
