@@ -656,6 +656,39 @@ def test_scan_refuses_frame_desync() -> None:
     assert _outcome(memo, A._PLAIN_GLOBALS, True) == _outcome(memo, A._PLAIN_GLOBALS, False)
 
 
+def test_damaged_data_pkl_is_refused() -> None:
+    """Found by test_fuzz_checkpoint_files (kept in tests/fuzz/crashes/): a
+    bit flip in a record's data.pkl turned the stride (1,) of a 5-element
+    tensor into (0,); the record still parsed, its storage bytes' CRC still
+    matched, and the load gave [0, 0, 0, 0, 0] (so does torch's). Every
+    entry but the storage bytes is now checked against its CRC-32."""
+    rec = RECORDS["tensor_f32_dense.rec"]
+    info = _zipfmt.parse_record(rec)
+    pk = next(e for e in info.entries if e.name == "data.pkl")
+    pkl = rec[pk.data_offset : pk.data_offset + pk.size]
+    at = pk.data_offset + pkl.index(b"K\x04K\x01\x86")  # the stride (4, 1)
+    for bad in (rec[: at + 1] + b"\x00" + rec[at + 2 :], rec[: at + 3] + b"\x00" + rec[at + 4 :]):
+        with pytest.raises(RecordFormatError, match="CRC-32"):
+            _zipfmt.parse_record(bad)
+        with pytest.raises(StorageFormatError, match="CRC-32"):
+            _RECOGNISERS["tensor_f32_dense.rec"][0].parse_buffer(
+                bytearray(bad), _RECOGNISERS["tensor_f32_dense.rec"][1])
+    with pytest.raises(RecordFormatError, match="CRC-32"):
+        _zipfmt.parse_record(KEPT["py_parse_record-datapkl-stride-0"])
+    # torch.save(..., with set_crc32_options(False)) writes every CRC as 0: still read
+    import io
+
+    was = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        buf = io.BytesIO()
+        torch.save(torch.arange(5), buf)
+    finally:
+        torch.serialization.set_crc32_options(was)
+    info = _zipfmt.parse_record(buf.getvalue())
+    assert info.shape == (5,) and {e.crc32 for e in info.entries} == {0}
+
+
 def test_metadata_chunks_outside_their_tensor_are_refused() -> None:
     """Found by mutating a checkpoint's .metadata and loading it: a chunk's
     offset moved past its tensor made the load succeed with that tensor
