@@ -86,7 +86,7 @@ LINT_STAMP := $(VENV)/.lint-stamp
 $(LINT_STAMP): $(STAMP)
 	$(VENV)/bin/pip install -q "ruff==0.17.6" "clang-format==23.1.5"
 	touch $@
-C_FILES = $(wildcard csrc/core/*.[ch] csrc/py/*.[ch] tests/c/*.[ch])
+C_FILES = $(wildcard csrc/core/*.[ch] csrc/py/*.[ch] tests/c/*.[ch] tests/fuzz/*.c)
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check python tests benchmarks scripts setup.py
 	$(VENV)/bin/clang-format --dry-run --Werror $(C_FILES)
@@ -147,6 +147,69 @@ build/tsan/test_cuda build/tsan/test_devcuda build/tsan/test_comm: CFLAGS_C += -
 
 tsan-ctest: $(TSAN_CTESTS)
 	$(call run_ctests,$(TSAN_CTESTS),tsan-ctest)
+
+# ---------------------------------------------------------------------------
+# fuzz: coverage-guided fuzzing (libFuzzer) of the C parsers of on-disk bytes.
+# Each tests/fuzz/fuzz_<name>.c is built with clang (installed from Debian's
+# packages when it, or libFuzzer's runtime, is missing) under ASan+UBSan
+# against the core files it names below; it replays every input ever kept
+# in tests/fuzz/crashes/ (any parser's), then fuzzes for its share of
+# FUZZ_SECONDS, seeded with FUZZ_SEED (printed; by default the clock), over
+# its seed corpus tests/fuzz/corpus/fuzz_<name>/. New inputs go to a scratch
+# directory (build/fuzz/new/), never into the committed corpus; a crash
+# fails the target and is written to tests/fuzz/crashes/ (commit it: it is
+# replayed from then on). The Python parsers: tests/test_fuzz_parsers.py.
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+ifndef FUZZ_SEED
+FUZZ_SEED    := $(shell date +%s)
+endif
+FUZZ_FLAGS   := -std=c11 -D_GNU_SOURCE -g -O1 -Icsrc/core \
+                -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+FUZZERS      := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(sort $(wildcard tests/fuzz/fuzz_*.c)))
+# libFuzzer's per-input limits: a slow input (a hang) or a big allocation fails.
+FUZZ_LIMITS  := -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=512
+
+build/fuzz/fuzz_pickle: csrc/core/ss_pickle.c csrc/core/ss_error.c
+
+build/fuzz/.clang-ok:
+	@mkdir -p build/fuzz
+	@printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n)\n{ (void)d; (void)n; return 0; }\n' \
+	    > build/fuzz/probe.c
+	$(FUZZ_CC) -fsanitize=fuzzer,address,undefined -o build/fuzz/probe build/fuzz/probe.c \
+	    || (apt-get update && apt-get install -y --no-install-recommends clang libclang-rt-dev \
+	        && $(FUZZ_CC) -fsanitize=fuzzer,address,undefined -o build/fuzz/probe build/fuzz/probe.c)
+	touch $@
+
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(wildcard csrc/core/*.h) build/fuzz/.clang-ok
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $(filter %.c,$^)
+
+.PHONY: fuzz
+fuzz: $(FUZZERS)
+	@set -e; n=$(words $(FUZZERS)); secs=$$(( $(FUZZ_SECONDS) / n )); [ $$secs -ge 1 ] || secs=1; \
+	for f in $(FUZZERS); do \
+	    name=$$(basename $$f); new=build/fuzz/new/$$name; rm -rf $$new; mkdir -p $$new; \
+	    kept=$$(ls tests/fuzz/crashes/* | grep -v README); \
+	    echo "== $$name: replaying $$(echo $$kept | wc -w) kept crash input(s)"; \
+	    if [ -n "$$kept" ] && ! $$f $(FUZZ_LIMITS) $$kept; then \
+	        echo "$$name FAILED on a kept input (the last one named above): a regression"; exit 1; \
+	    fi; \
+	    dict=; [ ! -f tests/fuzz/$$name.dict ] || dict=-dict=tests/fuzz/$$name.dict; \
+	    echo "== $$name: -seed=$(FUZZ_SEED) for $$secs s over tests/fuzz/corpus/$$name" \
+	         "(libFuzzer's log: build/fuzz/$$name.log)"; \
+	    if ! $$f $(FUZZ_LIMITS) -seed=$(FUZZ_SEED) -max_total_time=$$secs -print_final_stats=1 \
+	        $$dict -artifact_prefix=tests/fuzz/crashes/$$name- $$new tests/fuzz/corpus/$$name \
+	        > build/fuzz/$$name.log 2>&1; then \
+	        tail -n 60 build/fuzz/$$name.log; \
+	        echo "$$name FAILED with -seed=$(FUZZ_SEED): the input is in tests/fuzz/crashes/" \
+	             "(the 'Test unit written to' line above); replay it with: make $$f &&" \
+	             "$$f tests/fuzz/crashes/<file>; rerun this fuzzing with: make fuzz" \
+	             "FUZZ_SEED=$(FUZZ_SEED) FUZZ_SECONDS=$(FUZZ_SECONDS)"; \
+	        exit 1; \
+	    fi; \
+	    grep -E '^INFO: Seed|^#[0-9]+.*DONE|^stat::' build/fuzz/$$name.log; \
+	done; echo "$$n fuzzer(s), $$secs s each, seed $(FUZZ_SEED): no crash, no kept input failed"; \
+	echo "fuzz: $$n passed, 0 failed"
 
 # The pytest suite against an ASan+UBSan build of the extension. The
 # normal build is restored afterwards.

@@ -310,7 +310,7 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                    ss_errinfo *err)
 {
     const unsigned char *d = data;
-    size_t p = 0, ops = 0;
+    size_t p = 0, ops = 0, frame_end = 0;
     int proto = 0, rc;
     vm m = {0};
 
@@ -421,6 +421,22 @@ int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                                 f->name ? f->name : "unknown", (unsigned)d[at]);
             goto out;
         }
+        /* CPython's C unpickler holds a frame as one buffer; a read that
+         * runs past its end drops the rest of the buffer and reads on from
+         * the file (pickle.py refuses such a stream), so it would run other
+         * opcodes than the ones scanned: e.g. an argument's bytes here. No
+         * opcode may cross the end of the frame it starts in, and no FRAME
+         * start inside another. */
+        if (at < frame_end && (p > frame_end || d[at] == 0x95)) {
+            rc =
+                ss_errinfo_set(err, SS_ERANGE, "pickle scan", NULL, (int64_t)at,
+                               "%s at %zu runs past the end of its FRAME "
+                               "(at %zu) or starts another inside it",
+                               f->name, at, frame_end);
+            goto out;
+        }
+        if (d[at] == 0x95)
+            frame_end = p + (size_t)n;
         ops++;
         rc = step(&m, d[at], n);
         if (rc == SS_ENOMEM) {

@@ -13,6 +13,12 @@
  *    FLOAT, GET (protocol 0 only), which the two unpicklers parse
  *    differently (C strings up to a NUL, LONG in base 10);
  *  - every argument lies inside the data: lengths, frames, text lines;
+ *  - every opcode that starts inside a FRAME ends inside it, and no FRAME
+ *    starts inside another: the C unpickler holds a frame as one buffer
+ *    and, for a read that runs past its end, drops the rest of it and
+ *    reads on from the file, so it would run other opcodes than the ones
+ *    scanned (bytes the scan took for a string's data: a forged memo
+ *    index, a tuple nested 300000 deep);
  *  - PROTO, if present, is the first opcode (so one protocol governs every
  *    GLOBAL's name mapping), with a version of at most 5;
  *  - every memo index stored (PUT, BINPUT, LONG_BINPUT) is at most the
@@ -60,9 +66,10 @@ typedef struct ss_pickle_info {
 
 /* 0 when the stream passes (info filled); else SS_EINVAL (an opcode outside
  * the admitted set, PROTO out of place, a stack underflow), SS_ERANGE (an
- * argument, frame or memo index out of bounds; nesting or DUPs past their
- * bounds; a missing STOP) or SS_ENOMEM, with err's offset at the
- * opcode and its detail naming it. info and err may be NULL. */
+ * argument, frame or memo index out of bounds, an opcode across a frame's
+ * end; nesting or DUPs past their bounds; a missing STOP) or SS_ENOMEM,
+ * with err's offset at the opcode and its detail naming it. info and err
+ * may be NULL. */
 int ss_pickle_scan(const void *data, size_t len, ss_pickle_info *info,
                    ss_errinfo *err);
 

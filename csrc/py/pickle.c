@@ -36,7 +36,8 @@ static PyMethodDef pickle_methods[] = {
     {"pickle_scan", py_pickle_scan, METH_O,
      "pickle_scan(data, /)\n--\n\nChecks a pickle's opcode stream before the "
      "C unpickler may run on it: no persistent ids, copyreg extensions or "
-     "out-of-band buffers; every argument inside the data; PROTO only "
+     "out-of-band buffers; every argument inside the data and inside its "
+     "FRAME; PROTO only "
      "first; memo indices at most the entries stored; nesting at most "
      "SS_PICKLE_DEPTH_MAX deep and DUP bounded (a model of the stack). Returns "
      "(protocol, offset past STOP); raises ValueError (an opcode refused) "

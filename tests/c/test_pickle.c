@@ -124,6 +124,51 @@ static void test_bounds(void)
     CHECK_EQ_INT(ss_pickle_scan(NULL, 4, NULL, NULL), SS_EINVAL);
 }
 
+/* An opcode may not cross the end of the FRAME it starts in: CPython's C
+ * unpickler would drop the frame's rest and run other bytes as opcodes
+ * (here the string's last bytes, "r\xff\xff\xff\x7f": a memo index of
+ * 2^31). Frames back to back, and a frame's bytes past STOP, are fine. */
+static void test_frames(void)
+{
+    ss_errinfo e;
+    ss_pickle_info info;
+    ss_errinfo_clear(&e);
+    CHECK_EQ_INT(ss_pickle_scan("\x80\x04\x95\x04\x00\x00\x00\x00\x00\x00\x00"
+                                "N\x8c\x08X"
+                                "YYYYYYYC\x72"
+                                "r\xff\xff\xff\x7f"
+                                "0.",
+                                27, NULL, &e),
+                 SS_ERANGE);
+    CHECK(strstr(e.detail, "SHORT_BINUNICODE at 12") != NULL);
+    CHECK_EQ_INT(e.offset, 12);
+    /* a fixed argument, a text line, and a FRAME inside a frame */
+    CHECK_EQ_INT(scan(S("\x80\x04\x95\x02\x00\x00\x00\x00\x00\x00\x00"
+                        "J\x01\x02\x03\x04."),
+                      NULL),
+                 SS_ERANGE);
+    CHECK_EQ_INT(scan(S("\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00"
+                        "S'abc'\n."),
+                      NULL),
+                 SS_ERANGE);
+    CHECK_EQ_INT(scan(S("\x80\x04\x95\x0a\x00\x00\x00\x00\x00\x00\x00"
+                        "\x95\x01\x00\x00\x00\x00\x00\x00\x00N."),
+                      NULL),
+                 SS_ERANGE);
+    /* an opcode ending exactly at the frame's end; the next frame after it */
+    CHECK_EQ_INT(scan(S("\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00"
+                        "J\x01\x02\x03\x04"
+                        "\x95\x01\x00\x00\x00\x00\x00\x00\x00."),
+                      &info),
+                 0);
+    CHECK_EQ_INT(info.end, 26);
+    CHECK_EQ_INT(scan(S("\x80\x04\x95\x06\x00\x00\x00\x00\x00\x00\x00"
+                        "N.junk"),
+                      &info),
+                 0);
+    CHECK_EQ_INT(info.end, 13);
+}
+
 /* n copies of op after prefix, then suffix, in a heap block */
 static int scan_rep(const char *prefix, char op, size_t n, const char *suffix)
 {
@@ -211,6 +256,7 @@ int main(void)
     RUN(test_passes_protocol_streams);
     RUN(test_refuses_opcodes);
     RUN(test_bounds);
+    RUN(test_frames);
     RUN(test_nesting_and_dup);
     RUN(test_every_truncation);
     return ss_test_report("pickle");

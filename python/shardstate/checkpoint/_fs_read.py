@@ -90,10 +90,17 @@ def _check_bytes_record(record: bytes, where: str, restricted: bool = True) -> N
             with zf.open(info) as f:  # zipfile checks each entry's CRC-32 at its end
                 while f.read(_CRC_PIECE):
                     pass
+    except StorageFormatError:
+        raise
     except zipfile.BadZipFile as e:
         if "CRC" in str(e):
             raise ChecksumError(f"{where}: CRC-32 mismatch in bytes item ({e})") from None
         raise StorageFormatError(f"{where}: bytes item is not a torch.save record: {e}") from e
+    except Exception as e:  # noqa: BLE001 - zipfile raises more than BadZipFile on bad
+        # bytes: UnicodeDecodeError for a name that is not UTF-8, ValueError for an
+        # offset before the start, EOFError, NotImplementedError, ...
+        raise StorageFormatError(f"{where}: bytes item is not a torch.save record: "
+                                 f"{type(e).__name__}: {e}") from e
     if not restricted:
         return
     try:

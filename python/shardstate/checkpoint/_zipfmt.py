@@ -919,8 +919,10 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
 
     ``buf`` holds exactly the record (``_StorageInfo.length`` bytes from
     ``_StorageInfo.offset``); offsets in the result are ``base_offset`` plus
-    offsets inside ``buf``. Nothing is unpickled and the data is not read or
-    checksummed: compare ``data_crc32`` with a CRC of the bytes you read."""
+    offsets inside ``buf``. Nothing is unpickled. Every entry but the
+    storage bytes (``data/<key>``) must match its CRC-32 (unless torch wrote
+    none: all 0); the storage bytes are not read or checksummed: compare
+    ``data_crc32`` with a CRC of the bytes you read."""
     try:
         mv = memoryview(buf).cast("B")
     except TypeError as e:
@@ -938,6 +940,15 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
 
     if "data.pkl" not in by_name:
         raise _fail("no data.pkl record")
+    # Every entry but the storage bytes is checked against its CRC-32 (a few
+    # hundred bytes): a damaged data.pkl that still parses (a stride of 0, an
+    # offset) would otherwise give other values from intact storage bytes.
+    # torch.serialization.set_crc32_options(False) writes every CRC as 0.
+    if any(e.crc32 for e in entries):
+        for e in entries:
+            if not e.name.startswith("data/") and \
+                    zlib.crc32(mv[e.data_offset : e.data_offset + e.size]) != e.crc32:
+                raise _fail(f"record {e.name!r} does not match its CRC-32 {e.crc32:#010x}")
     bo = small("byteorder")
     if bo not in (None, b"little"):
         raise _fail(f"byteorder is {bo!r}; only little-endian records are supported")

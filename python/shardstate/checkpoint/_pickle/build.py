@@ -295,6 +295,17 @@ class _Builder:
         ):
             raise self.fail("TensorStorageMetadata.chunks is not a list of ChunkStorageMetadata")
         st["chunks"] = self.value(chunks)
+        size = st["size"]
+        for c in st["chunks"]:
+            # A chunk outside the tensor loads into the wrong place, or nowhere
+            # (a load then leaves the destination untouched, with no error).
+            # An empty chunk may sit anywhere (torch places some at the end).
+            if len(c.offsets) != len(size) or not all(
+                o >= 0 and n >= 0 and (n == 0 or o + n <= s)
+                for o, n, s in zip(c.offsets, c.sizes, size)
+            ):
+                raise self.fail(f"a chunk at {tuple(c.offsets)} of {tuple(c.sizes)} lies outside "
+                                f"its tensor of size {tuple(size)}")
         return self.new(TensorStorageMetadata, st)
 
     def _build_TensorProperties(self, p: _ObjProxy) -> TensorProperties:

@@ -93,6 +93,13 @@ def loads_object(data: bytes, *, allow_unsafe: bool = False) -> Any:
             except pickle.UnpicklingError as e:
                 raise UnsafePickleError(f"torch.load(weights_only=True) refused the item: {e}") \
                     from None
+            except Exception as e:  # noqa: BLE001 - torch's zip reader and unpickler
+                # raise many types for bad bytes (RuntimeError, UnicodeDecodeError,
+                # struct.error, IndexError, ...); the trusted path passes them on
+                if allow_unsafe:
+                    raise
+                raise PickleFormatError(f"bytes item holding tensors is not a readable "
+                                        f"torch.save record: {type(e).__name__}: {e}") from None
         if has_storage:
             raise PickleFormatError("bytes item holds tensor storages; reading it needs torch")
     pkl = bytes(mv[pk.data_offset : pk.data_offset + pk.size])

@@ -8,7 +8,9 @@ Two engines. The reference is CPython's pure-Python unpickler (its memo is
 a dict, so a forged memo index cannot make it allocate gigabytes, as the C
 unpickler's array memo can). A stream that the C scan ``_core.pickle_scan``
 passes (no copyreg extensions, persistent ids or out-of-band buffers; memo
-indices bounded by the opcodes before them; every length inside the data)
+indices bounded by the opcodes before them; every length inside the data;
+no opcode across the end of its FRAME, which the C unpickler would read
+otherwise)
 runs on CPython's C unpickler with the same allowlist instead, ten times
 faster; whatever it fails on goes to the reference, whose outcome is the
 answer.
