@@ -255,3 +255,61 @@ def test_filesystem_classes(tmp_path: Path) -> None:
                         type(fs).validate_checkpoint_id("s3://bucket/x")))
     assert results[0] == results[1]
     assert results[0][:2] == (b"payload", ["sub", "y.bin"])
+
+
+def test_version_global_picks_the_walk_as_torch() -> None:
+    # torch's _version._derived_version = "2_3" makes flatten_state_dict walk
+    # as torch 2.3 did; setting shardstate's does the same to its flatten.
+    import shardstate.checkpoint as ss
+    import torch.distributed.checkpoint._nested_dict as tnested
+    import torch.distributed.checkpoint._version as tversion
+    from shardstate.checkpoint import _nested_dict
+
+    states = [
+        {"a": [torch.ones(1), torch.zeros(2)], "b": {"c": 3}},
+        {"a": [{"b": torch.ones(1)}, [torch.zeros(1), 4]], "s": "x"},
+        {"l": [[1, 2], [torch.ones(2)]], "d": {"e": [torch.ones(1)]}},
+    ]
+    seen = set()
+    try:
+        for version in (None, "2_3"):
+            ss._version._derived_version = version
+            tversion._derived_version = version
+            for sd in states:
+                ours, theirs = _nested_dict.flatten_state_dict(sd), tnested.flatten_state_dict(sd)
+                assert ours[1] == theirs[1], (version, sd)
+                assert list(ours[0]) == list(theirs[0])
+                seen.add((version, tuple(ours[0])))
+    finally:
+        ss._version._derived_version = None
+        tversion._derived_version = None
+    assert len(seen) > len(states)  # the global changed at least one walk
+
+
+def test_storage_transforms_have_torchs_interface() -> None:
+    # torch's private _StorageWriterTransforms/_StorageReaderTransforms: a
+    # stream through every extension whose close leaves the raw stream open,
+    # and back; both ways with torch's classes.
+    import io
+
+    import torch.distributed.checkpoint.filesystem as tfs
+    from shardstate.checkpoint._extension import ZStandard
+    from shardstate.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
+
+    payload = bytes(range(256)) * 50
+    for W, R in ((_StorageWriterTransforms, tfs._StorageReaderTransforms),
+                 (tfs._StorageWriterTransforms, _StorageReaderTransforms),
+                 (_StorageWriterTransforms, _StorageReaderTransforms)):
+        raw = io.BytesIO()
+        stream, descriptors = W(extensions=[ZStandard()]).transform_save_stream(None, raw)
+        stream.write(payload)
+        stream.close()
+        assert not raw.closed and descriptors == ["stream.zstd/1"]
+        assert 0 < len(raw.getvalue()) < len(payload)
+        raw.seek(0)
+        assert R().transform_load_stream(None, descriptors, raw).read() == payload
+    raw = io.BytesIO()
+    stream, descriptors = _StorageWriterTransforms().transform_save_stream(None, raw)
+    stream.write(b"plain")
+    stream.close()
+    assert descriptors == [] and raw.getvalue() == b"plain" and not raw.closed

@@ -145,11 +145,33 @@ class Encoded(NamedTuple):
     descriptors: list[str]
 
 
+class _NoCloseWriter(io.IOBase):
+    """The raw stream under a writer's transforms: closing it (which every
+    transform's close cascades to) flushes the raw stream but leaves it
+    open, as torch's writer does (it appends more items after)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def writeable(self) -> bool:  # (torch's spelling)
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.raw.write(b)
+
+    def close(self) -> None:
+        self.flush()
+        self.raw.flush()
+
+
 class WriterTransforms:
     """A writer's extensions (``FileSystemWriter(_extensions=...)``), and
-    how many items it transforms at once (its ``thread_count``)."""
+    how many items it transforms at once (its ``thread_count``). Also
+    torch's ``filesystem._StorageWriterTransforms``
+    (``transform_save_stream``)."""
 
-    def __init__(self, extensions: Sequence[Any], threads: int = 1) -> None:
+    def __init__(self, extensions: Sequence[Any] | None = None, threads: int = 1) -> None:
+        extensions = () if extensions is None else extensions
         for ex in extensions:
             if not (callable(getattr(ex, "transform_to", None))
                     and callable(getattr(ex, "get_descriptor", None))):
@@ -172,6 +194,16 @@ class WriterTransforms:
         return Encoded(sink.buffers(), sink.nbytes,
                        [ex.get_descriptor() for ex in reversed(self.extensions)])
 
+    def transform_save_stream(self, write_item: Any, raw_stream: Any) -> tuple[IO[bytes],
+                                                                               list[str]]:
+        """torch's API: a stream that writes ``raw_stream`` through every
+        extension (closing it never closes ``raw_stream``), and the
+        descriptors to store with the item."""
+        stream: IO[bytes] = _NoCloseWriter(raw_stream)  # type: ignore[assignment]
+        for ex in self.extensions:
+            stream = ex.transform_to(stream)
+        return stream, [ex.get_descriptor() for ex in reversed(self.extensions)]
+
     def encode_bytes(self, buf: Any) -> Encoded:
         """A bytes item's stored bytes: its bytes in one write, then close."""
         return self._encode(iter((buf,)), flush=False)
@@ -183,10 +215,22 @@ class WriterTransforms:
 
 class ReaderTransforms:
     """A reader's extension registry (``FileSystemReader(_extension_registry=...)``;
-    by default one that knows ZStandard)."""
+    by default one that knows ZStandard). Also torch's
+    ``filesystem._StorageReaderTransforms`` (``transform_load_stream``)."""
 
-    def __init__(self, registry: Any | None = None) -> None:
-        self.registry = ExtensionRegistry() if registry is None else registry
+    def __init__(self, extension_registry: Any | None = None) -> None:
+        self.extension_registry = (ExtensionRegistry() if extension_registry is None
+                                   else extension_registry)
+
+    @property
+    def registry(self) -> Any:
+        return self.extension_registry
+
+    def transform_load_stream(self, read_item: Any, transform_descriptors: Sequence[str],
+                              raw_stream: IO[bytes]) -> IO[bytes]:
+        """torch's API: ``raw_stream`` read back through the transforms the
+        descriptors name."""
+        return self._open(transform_descriptors, raw_stream, f"item {read_item}")
 
     def _open(self, descriptors: Sequence[str], raw: IO[bytes], where: str) -> IO[bytes]:
         try:

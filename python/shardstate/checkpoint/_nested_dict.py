@@ -4,7 +4,8 @@
 The flat key is ``".".join(map(str, path))`` and ``mapping[key] = path``, a
 tuple of ``str`` dict keys and ``int`` list indices, over the walk of
 ``_traverse``. torch picks the pre-2.4 walk with a module global
-(``_version._derived_version``); here it is the keyword ``v2_3``.
+(``_version._derived_version``); here it is the keyword ``v2_3``, which
+defaults to that global, as torch reads it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from . import _version
 from ._traverse import (
     OBJ_PATH,
     STATE_DICT_TYPE,
@@ -26,7 +28,7 @@ FLATTEN_MAPPING = dict[str, OBJ_PATH]
 
 
 def flatten_state_dict(
-    state_dict: Mapping[Any, Any], *, v2_3: bool = False
+    state_dict: Mapping[Any, Any], *, v2_3: bool | None = None
 ) -> tuple[STATE_DICT_TYPE, FLATTEN_MAPPING]:
     """``(flat, mapping)``: ``{"a": {"b": t}}`` gives ``{"a.b": t}`` and
     ``{"a.b": ("a", "b")}``. Two paths with the same dotted key raise
@@ -44,6 +46,8 @@ def flatten_state_dict(
         flat[key] = value
         mapping[key] = path
 
+    if v2_3 is None:
+        v2_3 = _version._derived_version == "2_3"
     (traverse_state_dict_v_2_3 if v2_3 else traverse_state_dict)(state_dict, visit)
     return flat, mapping
 

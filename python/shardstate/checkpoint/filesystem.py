@@ -94,6 +94,10 @@ if TORCH_TYPES:  # torch's own, so a user's FileSystemBase subclass is one of ou
 else:
     from ._torchfree import FileSystem, FileSystemBase
 
+# torch's private names for the same classes (its own tests import them)
+_StorageWriterTransforms = WriterTransforms
+_StorageReaderTransforms = ReaderTransforms
+
 __all__ = [
     "FileSystem",
     "FileSystemBase",
