@@ -405,8 +405,10 @@ class _Soak:
         self.stager = DefaultStager(StagingOptions(False, False, True, False))
 
     def where(self) -> str:
+        its = "_ITERS_2" if self.world > 1 else "_ITERS"
         return f"(seed {self.seed}, round {self.round - 1}, rank {self.rank}; replay with " \
-               f"SHARDSTATE_SOAK_SEED={self.seed} SHARDSTATE_SOAK_ITERS={self.round})"
+               f"SHARDSTATE_SOAK_SEED={self.seed} SHARDSTATE_SOAK{its}={self.round} " \
+               f"SHARDSTATE_SOAK_SECONDS{its[6:]}=600)"
 
     def _pick_dir(self, busy: set[Path]) -> Path:
         free = [d for d in self.dirs if d not in busy]
