@@ -15,6 +15,7 @@ import gc
 import os
 import pickle
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -592,6 +593,16 @@ def _failures(rank: int, world: int, root: str) -> dict:
         res["bad"] = (sorted(e.failures), "lock" in str(e))
     dist.barrier()
     res["bad_committed"] = os.path.exists(f"{root}/bad/.metadata")
+    # async_save keeps nothing of a finished save: a failure's traceback
+    # holds the staged state (and its shared arena) until it is dropped
+    finished = weakref.ref(fut)
+    del fut
+    for t in threading.enumerate():
+        if t.name == "shardstate-async-save":
+            t.join(timeout=60)
+    _staging._pool._free.clear()
+    gc.collect()
+    res["kept"] = (finished() is not None, len(_staging._all_arenas))
     return res
 
 
@@ -606,3 +617,4 @@ def test_failures_reach_every_rank_and_none_waits(run_distributed, tmp_path):
         assert res["bad_staged"] == (not failed)
         assert res["bad"] == ([world - 1], True)
         assert not res["bad_committed"]
+        assert res["kept"] == (False, 0), res

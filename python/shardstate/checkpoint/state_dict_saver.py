@@ -241,9 +241,10 @@ def _signal_outcome(src: Future, dst: Future) -> None:
 # loop's.
 _async_groups: dict[Any, Any] = {}
 _async_groups_lock = threading.Lock()
-# The last background save started on each private group. A new one waits
-# for it: two saves running at once would issue their collectives on the
-# shared group in an order that can differ between ranks, and hang.
+# The last background save started on each private group, while it runs
+# (a finished one removes itself). A new one waits for it: two saves running
+# at once would issue their collectives on the shared group in an order that
+# can differ between ranks, and hang.
 _async_last: dict[Any, Future] = {}
 
 
@@ -458,6 +459,13 @@ def async_save(
                 staging.release()
             elif staged is not None and not cached:
                 _staging.release_staged(staged)
+        if coord.use_dist:
+            # done: the next save need not wait for it, and nothing here
+            # keeps it (a failure's traceback holds the staged state, and a
+            # PROCESS save's shared arenas, for as long as it is kept)
+            with _async_groups_lock:
+                if _async_last.get(coord.group) is response:
+                    del _async_last[coord.group]
         if failure is not None:
             response.set_exception(failure)
         else:
