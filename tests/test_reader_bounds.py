@@ -29,7 +29,6 @@ from shardstate.checkpoint._pickle import (
 from shardstate.checkpoint._pickle import allowlist as A
 from shardstate.checkpoint._pickle import unpickler as U
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 1_000_000
 DEEP = b")" + b"\x85" * N  # a tuple N deep, built by TUPLE1
 
@@ -91,7 +90,7 @@ def payload_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _child(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
     return subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
@@ -186,7 +185,7 @@ def test_deflated_bytes_item_is_refused_before_inflating(tmp_path: Path) -> None
     bomb = tmp_path / "bomb.zip"
     _deflate_bomb(bomb, 1 << 30)
     assert bomb.stat().st_size < 8 << 20
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
     r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(bomb)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
