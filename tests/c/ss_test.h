@@ -9,6 +9,7 @@
 #ifndef SS_TEST_H
 #define SS_TEST_H
 
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -61,6 +62,20 @@ static inline uint64_t rnd(void)
 static inline int64_t rnd_in(int64_t lo, int64_t hi)
 {
     return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
+}
+
+/* Open file descriptors of this process (entries of /proc/self/fd, the
+ * listing's own included), or -1: tests compare it before and after. */
+static inline int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
 }
 
 /* Prints "<name>: N passed, N failed"; returns the exit status. */

@@ -19,18 +19,6 @@
 
 static char dir[64];
 
-static int count_fds(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    if (d == NULL)
-        return -1;
-    while (readdir(d) != NULL)
-        n++;
-    closedir(d);
-    return n;
-}
-
 static void put(const char *path, const char *data, size_t n)
 {
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);

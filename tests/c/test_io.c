@@ -31,18 +31,6 @@ static ss_io_wjob wjobs[NJOBS];
 static ss_io_rjob rjobs[NJOBS];
 static ss_pool *pool;
 
-static int count_fds(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    if (d == NULL)
-        return -1;
-    while (readdir(d) != NULL)
-        n++;
-    closedir(d);
-    return n;
-}
-
 /* Files in dir (without . and ..). */
 static int count_entries(const char *d_path)
 {
