@@ -50,6 +50,7 @@ from typing import Any
 import pytest
 import shardstate.checkpoint as dcp
 import torch
+from _sanitizers import UNDER_ASAN
 from shardstate.checkpoint import _async_process, _records, _staging
 from shardstate.checkpoint import logger as dcp_logger
 from shardstate.checkpoint.staging import DefaultStager, StagingOptions
@@ -57,7 +58,6 @@ from shardstate.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 THREAD, PROCESS = AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS
 
-_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 _SEED = int(os.environ.get("SHARDSTATE_SOAK_SEED", "1515"))
 _WARMUP = 30  # rounds before the baseline: pools, caches and the checkpoint process settle
 # One process: SHARDSTATE_SOAK_ITERS rounds or SHARDSTATE_SOAK_SECONDS,
@@ -65,15 +65,15 @@ _WARMUP = 30  # rounds before the baseline: pools, caches and the checkpoint pro
 # about a hundred rounds after the warm-up to be known within a few KiB;
 # ASan's run does not judge RSS: its quarantine holds freed memory).
 _ROUNDS = int(os.environ.get("SHARDSTATE_SOAK_ITERS", "300"))
-_SECONDS = float(os.environ.get("SHARDSTATE_SOAK_SECONDS", "12" if _ASAN else "30"))
-_MIN_ROUNDS = _WARMUP + (40 if _ASAN else 120)
+_SECONDS = float(os.environ.get("SHARDSTATE_SOAK_SECONDS", "12" if UNDER_ASAN else "30"))
+_MIN_ROUNDS = _WARMUP + (40 if UNDER_ASAN else 120)
 # Two ranks (real processes, every save a collective): the counts only.
 # Each rank's RSS climbs by up to 3 MiB over its first ~150 rounds, then
 # stays flat (measured over 600): longer than CI can wait. RSS is judged in
 # one process, where the same saves and loads run without the collectives.
 _ROUNDS_2 = int(os.environ.get("SHARDSTATE_SOAK_ITERS_2", "150"))
-_SECONDS_2 = float(os.environ.get("SHARDSTATE_SOAK_SECONDS_2", "8" if _ASAN else "12"))
-_MIN_ROUNDS_2 = _WARMUP + (30 if _ASAN else 40)
+_SECONDS_2 = float(os.environ.get("SHARDSTATE_SOAK_SECONDS_2", "8" if UNDER_ASAN else "12"))
+_MIN_ROUNDS_2 = _WARMUP + (30 if UNDER_ASAN else 40)
 
 # Slack over the warm-up's highest value. Threads and descriptors are
 # sampled with every background save joined, so none is in flight; one of
@@ -560,7 +560,7 @@ def _theil_sen(ys: list[float]) -> float:
 # are not counted there)
 _COUNTS = (("fds", _FD_SLACK), ("py_threads", _THREAD_SLACK), ("os_threads", _THREAD_SLACK),
            ("children", 0), ("child_fds", _FD_SLACK), ("store_keys", 0)) \
-    + ((("maps", _MAP_SLACK),) if not _ASAN else ())
+    + ((("maps", _MAP_SLACK),) if not UNDER_ASAN else ())
 
 
 def _check_counts(samples: list[dict[str, int]], where: str) -> None:
@@ -651,7 +651,7 @@ def _run_soak(soak: _Soak, rounds: int, seconds: float, min_rounds: int, judge_r
 def test_soak_one_process(tmp_path):
     try:
         out = _run_soak(_Soak(tmp_path, _SEED), _ROUNDS, _SECONDS, _MIN_ROUNDS,
-                        judge_rss=not _ASAN)
+                        judge_rss=not UNDER_ASAN)
     finally:
         _async_process.shutdown()
     print(f"\nsoak seed {_SEED}: {out}")

@@ -35,6 +35,7 @@ import os
 import random
 
 import pytest
+from _sanitizers import UNDER_ASAN
 
 torch = pytest.importorskip("torch")
 
@@ -88,11 +89,10 @@ def _sample(seed: int, n: int) -> list[tuple[str, int, str]]:
 
 
 SEED = _seed()
-_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 if os.environ.get("SHARDSTATE_SWEEP_FULL") == "1":
     SCENARIOS = list(itertools.product(KINDS, VICTIMS, PHASES))
 else:
-    SCENARIOS = _sample(SEED, _SAMPLE_ASAN if _ASAN else _SAMPLE)
+    SCENARIOS = _sample(SEED, _SAMPLE_ASAN if UNDER_ASAN else _SAMPLE)
 
 
 def _reproduce(kind: str, victim: int, phase: str) -> str:

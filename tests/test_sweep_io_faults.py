@@ -144,7 +144,7 @@ class _Sweep:
         self.fds, self.threads = _fds(), _os_threads()
         self.py_threads = {t.name for t in threading.enumerate()}
 
-    def check_leaks(self, case: str, ck: Path) -> None:
+    def check_leaks(self, case: str) -> None:
         assert _fds() == self.fds, f"{case}: file descriptors {self.fds} -> {_fds()}"
         assert _os_threads() == self.threads, f"{case}: threads {self.threads} -> {_os_threads()}"
         extra = {t.name for t in threading.enumerate()} - self.py_threads
@@ -201,7 +201,7 @@ def test_faults_at_every_call_of_a_save(tmp_path):
         else:
             assert os.strerror(getattr(errno, kind)) in str(raised), f"{case}: {raised}"
         outcomes[f"{kind}:{got}"] = outcomes.get(f"{kind}:{got}", 0) + 1
-        sw.check_leaks(case, ck)
+        sw.check_leaks(case)
         ncases += 1
     assert ncases > 0
     if not _ONLY:
@@ -239,6 +239,6 @@ def test_faults_at_every_call_of_a_load(tmp_path):
             assert kind not in ("short", "EINTR"), f"{case}: {raised}"
             assert os.strerror(getattr(errno, kind)) in str(raised), f"{case}: {raised}"
         assert _digest(ck) == digest, f"{case}: a load changed the checkpoint"
-        sw.check_leaks(case, ck)
+        sw.check_leaks(case)
         ncases += 1
     assert ncases > 0
