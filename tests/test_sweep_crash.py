@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _sanitizers import UNDER_ASAN
 
 torch = pytest.importorskip("torch")
 
@@ -40,8 +41,7 @@ import shardstate.io as sio  # noqa: E402
 
 OPS = ("open", "close", "pwrite", "fsync", "ftruncate", "rename", "unlink", "fsync_dir",
        "writeback", "mkdir")
-_UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
-_WORLD2_POINTS = 4 if _UNDER_ASAN else 8
+_WORLD2_POINTS = 4 if UNDER_ASAN else 8
 pytestmark = pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")
 
 
@@ -94,9 +94,8 @@ def _child(path: str, seed: int, op: str | None, k: int, rank: int, world: int,
     ``path``)."""
     if world > 1:
         import torch.distributed as dist
-        from shardstate.checkpoint import _liveness
 
-        _liveness._DEAD_AFTER = 2.0  # a dead peer is named within seconds
+        os.environ["SHARDSTATE_DEAD_RANK_S"] = "2"  # a dead peer is named within seconds
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
     f = sio.FaultInjector()
