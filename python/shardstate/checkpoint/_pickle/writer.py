@@ -32,12 +32,14 @@ No torch import. Thread-safe.
 
 from __future__ import annotations
 
+import copyreg
 import pathlib
 import pickle
 import sys
 from enum import Enum
 from typing import Any
 
+from ... import _core
 from ..._util import gc_paused, loaded_torch
 from .. import _torchfree
 from .. import metadata as _smd
@@ -482,14 +484,60 @@ class _Convert:
 # --------------------------------------------------------------------------
 
 
-def _dumps(md: Any, generic: bool | None = None) -> bytes | None:
+# __getstate__ functions md_dumps may emulate: the values that are not None.
+_INFO_GETSTATE = tuple({getattr(t, "__getstate__", None)
+                        for t in _accepted_types("_StorageInfo")} - {None})
+
+
+def _c_context(conv: _Convert) -> tuple:
+    """What ``_core.md_dumps`` needs of a conversion (see csrc/py/mdwrite.c):
+    the accepted types and the stand-in class of each metadata class, the
+    Size class, the types plain values may hold as they are, the types
+    written through their reduce value, PurePath, props_state, the known
+    _StorageInfo.__getstate__, copyreg's dispatch table, torch loaded."""
+    ph, torch = conv.ph, conv.torch
+    reducible = [ph.dtype_cls, ph.memfmt_cls, type(ph.torch_obj("torch.strided", "layout")),
+                 type(ph.encodings[0])]
+    if torch is not None:
+        reducible += [torch.dtype, torch.layout]
+    return (tuple(tuple(conv.ok[n]) for n in _CLASSES),
+            tuple(ph.classes[n] for n in _CLASSES), conv.Size, tuple(conv.native),
+            tuple(reducible), pathlib.PurePath, conv.props_state, _INFO_GETSTATE,
+            copyreg.dispatch_table, torch is not None)
+
+
+_C_USED = ((1, "md"), (2, "fs"), (4, "size"))
+
+
+def _dumps_c(md: Any, ph: _Placeholders, torch: Any) -> bytes | None:
+    """The fast conversion and the pickler in one C walk (``_core.md_dumps``):
+    the bytes ``pickle.dumps`` gives for ``_Convert.fast``'s graph, renamed;
+    None where that walk does not cover ``md`` (the Python conversions do)
+    or the data spells this set's names."""
+    conv = _Convert(ph, torch)
+    try:
+        res = _core.md_dumps(md, _c_context(conv))
+    except (_Generic, LookupError, AttributeError, TypeError, ValueError):
+        return None
+    if res is None:
+        return None
+    data, used = res
+    conv.used.update(tag for bit, tag in _C_USED if used & bit)
+    return ph.rename(data, conv.used)
+
+
+def _dumps(md: Any, generic: bool | None = None, c: bool = True) -> bytes | None:
     """``dumps_metadata`` by a chosen conversion: ``generic=None`` the fast
-    one, else the generic one; ``False`` the fast one only (None where it
-    hands over); ``True`` the generic one only. Tests and the benchmark
-    compare them."""
+    one (the C walk first, unless ``c`` is False), else the generic one;
+    ``False`` the fast one only (None where it hands over); ``True`` the
+    generic one only. Tests and the benchmark compare them."""
     torch = loaded_torch()
     with gc_paused():
         for ph in _placeholder_sets():
+            if c and not generic:
+                data = _dumps_c(md, ph, torch)
+                if data is not None:
+                    return data
             conv = _Convert(ph, torch)
             if generic:
                 root = conv.value(md)
