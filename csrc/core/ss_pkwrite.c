@@ -159,7 +159,7 @@ int ss_pkw_int(ss_pkw *w, int64_t v)
      * of little-endian two's complement, one redundant 0xff dropped. */
     uint64_t mag = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
     int nbits = 0;
-    while (mag >> nbits && nbits < 64)
+    while (nbits < 64 && (mag >> nbits))
         nbits++;
     int nbytes = nbits / 8 + 1;
     for (int i = 0; i < nbytes; i++)
