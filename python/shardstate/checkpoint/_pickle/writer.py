@@ -18,6 +18,16 @@ loaded, torch's own sizes, dtypes, layouts and memory formats are written
 as they are, and ``TorchName`` / tuples standing in for them become torch's
 objects; without torch they become placeholders that pickle as torch's do.
 
+The C walk. ``_core.md_dumps`` (csrc/py/mdwrite.c over csrc/core/ss_pkwrite)
+serves the graphs saves make without building the stand-in graph: it walks
+the source as ``_Convert.fast`` does and writes the bytes the C pickler
+writes for the graph that conversion would build, opcode for opcode (the
+same FRAME boundaries, memo entries keyed by the same identities), calling
+back into ``_Convert.props_state`` for TensorProperties; the rename and the
+placeholder sets are as above. Whatever it does not cover, or where the
+fast conversion would hand over, it returns None and the conversions below
+run (``_dumps_c``). About 9x torch's ``pickle.dumps`` at 192,000 chunks.
+
 Two conversions give the same graph. ``_Convert.fast`` serves the graphs
 saves make: it reuses the source's state dicts wherever they can be written
 as they are, and checks the other (plain) values in one walk. Whatever it
