@@ -19,8 +19,12 @@
  * and paths; an exception from one of them also declines.
  *
  * Memo entries hold a reference to their key until the call ends, as the
- * pickler's memo does, so no address is reused meanwhile. The GIL is held
- * throughout: the walk reads Python objects at every step. Thread-safe.
+ * pickler's memo does, so no address is reused meanwhile. A value whose
+ * only reference is the slot it is read from (its reference count, less
+ * the walk's own) cannot be met again: it takes a memo entry but no key,
+ * and is not looked up, which keeps the table to the shared objects (dict
+ * keys are always looked up: split-table dicts share key objects). The GIL is
+ * held throughout: the walk reads Python objects at every step. Thread-safe.
  */
 #include "module.h"
 #include "ss_pkwrite.h"
@@ -73,9 +77,9 @@ static int decline(mdw *s)
     return -1;
 }
 
-static int wr(mdw *s, int rc)
+/* A core call's code as this file's: 0, or -1 (the writer holds why). */
+static int wr(int rc)
 {
-    (void)s;
     return rc < 0 ? -1 : 0;
 }
 
@@ -139,7 +143,7 @@ static int conv_get(mdw *s, PyObject *key)
         return 0;
     if (!(v & CONV))
         return decline(s);
-    return wr(s, ss_pkw_get(&s->w, v & ~CONV)) < 0 ? -1 : 1;
+    return wr(ss_pkw_get(&s->w, v & ~CONV)) < 0 ? -1 : 1;
 }
 
 static int int_of(mdw *s, PyObject *v, int64_t *out)
@@ -182,7 +186,7 @@ static int batch_open(mdw *s, batch *b, Py_ssize_t n, int dict)
     b->n = n;
     b->done = b->in = 0;
     b->dict = dict;
-    return n >= 2 ? wr(s, ss_pkw_op(&s->w, SS_PK_MARK)) : 0;
+    return n >= 2 ? wr(ss_pkw_op(&s->w, SS_PK_MARK)) : 0;
 }
 
 static int batch_item(mdw *s, batch *b)
@@ -190,14 +194,14 @@ static int batch_item(mdw *s, batch *b)
     ss_pkw *w = &s->w;
     b->done++;
     if (b->n == 1)
-        return wr(s, ss_pkw_op(w, b->dict ? SS_PK_SETITEM : SS_PK_APPEND));
+        return wr(ss_pkw_op(w, b->dict ? SS_PK_SETITEM : SS_PK_APPEND));
     if (++b->in < SS_PKW_BATCH)
         return 0;
     b->in = 0;
     if (ss_pkw_op(w, b->dict ? SS_PK_SETITEMS : SS_PK_APPENDS) < 0)
         return -1;
     if (b->dict || b->done < b->n)
-        return wr(s, ss_pkw_op(w, SS_PK_MARK));
+        return wr(ss_pkw_op(w, SS_PK_MARK));
     return 0;
 }
 
@@ -207,7 +211,7 @@ static int batch_close(mdw *s, batch *b)
         return decline(s); /* changed size meanwhile */
     if (b->n < 2 || (!b->dict && b->in == 0))
         return 0;
-    return wr(s, ss_pkw_op(&s->w, b->dict ? SS_PK_SETITEMS : SS_PK_APPENDS));
+    return wr(ss_pkw_op(&s->w, b->dict ? SS_PK_SETITEMS : SS_PK_APPENDS));
 }
 
 static int save_dict(mdw *s, PyObject *d, int depth, int uniq)
@@ -261,7 +265,7 @@ static int save_tuple(mdw *s, PyObject *t, int depth, int uniq)
     Py_ssize_t n = PyTuple_GET_SIZE(t);
     uint32_t v;
     if (n == 0)
-        return wr(s, ss_pkw_op(&s->w, SS_PK_EMPTY_TUPLE));
+        return wr(ss_pkw_op(&s->w, SS_PK_EMPTY_TUPLE));
     if (n > 3 && ss_pkw_op(&s->w, SS_PK_MARK) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -311,7 +315,7 @@ static int save_class(mdw *s, PyObject *cls)
     if (ss_pkw_boundary(&s->w) < 0)
         return -1;
     if (memo_has(s, cls, &v))
-        return (v & CONV) ? decline(s) : wr(s, ss_pkw_get(&s->w, v));
+        return (v & CONV) ? decline(s) : wr(ss_pkw_get(&s->w, v));
     if (cls == (PyObject *)&_PyNone_Type ||
         cls == (PyObject *)&PyEllipsis_Type ||
         cls == (PyObject *)&_PyNotImplemented_Type)
@@ -429,21 +433,20 @@ static int save(mdw *s, PyObject *v, int depth, int uniq)
     if (ss_pkw_boundary(w) < 0)
         return -1;
     if (v == Py_None)
-        return wr(s, ss_pkw_op(w, SS_PK_NONE));
+        return wr(ss_pkw_op(w, SS_PK_NONE));
     if (v == Py_True || v == Py_False)
-        return wr(s,
-                  ss_pkw_op(w, v == Py_True ? SS_PK_NEWTRUE : SS_PK_NEWFALSE));
+        return wr(ss_pkw_op(w, v == Py_True ? SS_PK_NEWTRUE : SS_PK_NEWFALSE));
     if (t == &PyLong_Type) {
         int64_t x;
-        return int_of(s, v, &x) < 0 ? -1 : wr(s, ss_pkw_int(w, x));
+        return int_of(s, v, &x) < 0 ? -1 : wr(ss_pkw_int(w, x));
     }
     if (t == &PyFloat_Type)
-        return wr(s, ss_pkw_float(w, PyFloat_AS_DOUBLE(v)));
+        return wr(ss_pkw_float(w, PyFloat_AS_DOUBLE(v)));
     if (t != &PyUnicode_Type && t != &PyBytes_Type && !type_in(s->native, t) &&
         depth > PLAIN_DEPTH)
         return decline(s);
     if (!uniq && memo_has(s, v, &memo))
-        return (memo & CONV) ? decline(s) : wr(s, ss_pkw_get(w, memo));
+        return (memo & CONV) ? decline(s) : wr(ss_pkw_get(w, memo));
     if (t == &PyUnicode_Type)
         return save_str(s, v, uniq);
     if (t == &PyBytes_Type) {
@@ -617,7 +620,7 @@ static int write_chunk(mdw *s, PyObject *c, int uniq)
     } else if (save_sizes_dict(s, d, chunk_fields) < 0) {
         goto out;
     }
-    rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+    rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
 out:
     Py_DECREF(d);
     return rc;
@@ -685,7 +688,7 @@ static int write_tsm(mdw *s, PyObject *e, int uniq)
     }
     if (batch_close(s, &b) < 0)
         goto out;
-    rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+    rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
 out:
     Py_DECREF(d);
     return rc;
@@ -722,12 +725,14 @@ static int write_entries(mdw *s, PyObject *sdm)
         int r;
         Py_INCREF(k);
         Py_INCREF(v);
-        r = !PyUnicode_CheckExact(k) ? decline(s)
-            : (save(s, k, 0, 0) < 0 ||
-               conv_value(s, v, Py_REFCNT(v) == 2, write_entry) < 0 ||
-               batch_item(s, &b) < 0)
-                ? -1
-                : 0;
+        if (!PyUnicode_CheckExact(k))
+            r = decline(s);
+        else if (save(s, k, 0, 0) < 0 ||
+                 conv_value(s, v, Py_REFCNT(v) == 2, write_entry) < 0 ||
+                 batch_item(s, &b) < 0)
+            r = -1;
+        else
+            r = 0;
         Py_DECREF(k);
         Py_DECREF(v);
         if (r < 0)
@@ -763,7 +768,7 @@ static int write_index(mdw *s, PyObject *idx)
     } else if (save_sizes_dict(s, d, index_fields) < 0) {
         goto out;
     }
-    rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+    rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
 out:
     Py_DECREF(d);
     return rc;
@@ -843,7 +848,7 @@ static int write_info(mdw *s, PyObject *info, int uniq)
         if (batch_close(s, &b) < 0)
             goto out;
     }
-    rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+    rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
     goto out;
 declined:
     PyErr_Clear();
@@ -901,7 +906,7 @@ static int write_storage_meta(mdw *s, PyObject *m)
     if (newobj(s, K_SM, m) < 0 || ss_pkw_boundary(&s->w) < 0)
         goto out;
     if (memo_has(s, d, &memo)) {
-        rc = (memo & CONV) ? decline(s) : wr(s, ss_pkw_get(&s->w, memo));
+        rc = (memo & CONV) ? decline(s) : wr(ss_pkw_get(&s->w, memo));
     } else {
         /* the source's dict, as it is; its values plain at depth 0 */
         if (ss_pkw_op(&s->w, SS_PK_EMPTY_DICT) < 0 || memo_put(s, d, 0) < 0 ||
@@ -921,7 +926,7 @@ static int write_storage_meta(mdw *s, PyObject *m)
         rc = batch_close(s, &b);
     }
     if (rc == 0)
-        rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+        rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
 out:
     Py_DECREF(d);
     return rc;
@@ -950,8 +955,10 @@ static int write_md(mdw *s, PyObject *md)
         int r;
         Py_INCREF(k);
         Py_INCREF(v);
-        if (!PyUnicode_CheckExact(k) || save(s, k, 0, 0) < 0)
-            r = PyUnicode_CheckExact(k) ? -1 : decline(s);
+        if (!PyUnicode_CheckExact(k))
+            r = decline(s);
+        else if (save(s, k, 0, 0) < 0)
+            r = -1;
         else if (str_eq(k, "state_dict_metadata"))
             r = ss_pkw_boundary(&s->w) < 0 ? -1 : write_entries(s, v);
         else if (str_eq(k, "storage_data") && PyDict_CheckExact(v))
@@ -968,7 +975,7 @@ static int write_md(mdw *s, PyObject *md)
     }
     if (batch_close(s, &b) < 0)
         goto out;
-    rc = wr(s, ss_pkw_op(&s->w, SS_PK_BUILD));
+    rc = wr(ss_pkw_op(&s->w, SS_PK_BUILD));
 out:
     Py_DECREF(d);
     return rc;

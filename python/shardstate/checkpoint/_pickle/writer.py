@@ -43,6 +43,7 @@ No torch import. Thread-safe.
 from __future__ import annotations
 
 import copyreg
+import functools
 import pathlib
 import pickle
 import sys
@@ -494,9 +495,21 @@ class _Convert:
 # --------------------------------------------------------------------------
 
 
-# __getstate__ functions md_dumps may emulate: the values that are not None.
-_INFO_GETSTATE = tuple({getattr(t, "__getstate__", None)
-                        for t in _accepted_types("_StorageInfo")} - {None})
+@functools.cache
+def _drops_none(cls: type) -> Any:
+    """cls.__getstate__ if it gives the instance's values that are not None
+    in order (torch's and _torchfree's _StorageInfo), which md_dumps then
+    emulates; else None (md_dumps calls it). Checked on a probe, once per
+    class."""
+    fn = getattr(cls, "__getstate__", None)
+    try:
+        probe = cls("p", 1, 2)
+        probe.__dict__.update(transform_descriptors=None, extra=[3])
+        ok = list(fn(probe).items()) == [("relative_path", "p"), ("offset", 1), ("length", 2),
+                                          ("extra", [3])]
+    except Exception:
+        ok = False
+    return fn if ok else None
 
 
 def _c_context(conv: _Convert) -> tuple:
@@ -512,7 +525,8 @@ def _c_context(conv: _Convert) -> tuple:
         reducible += [torch.dtype, torch.layout]
     return (tuple(tuple(conv.ok[n]) for n in _CLASSES),
             tuple(ph.classes[n] for n in _CLASSES), conv.Size, tuple(conv.native),
-            tuple(reducible), pathlib.PurePath, conv.props_state, _INFO_GETSTATE,
+            tuple(reducible), pathlib.PurePath, conv.props_state,
+            tuple({_drops_none(t) for t in conv.ok["_StorageInfo"]} - {None}),
             copyreg.dispatch_table, torch is not None)
 
 
