@@ -292,8 +292,11 @@ static int save_global(mdw *s, PyObject *obj, PyObject *name)
         if ((q = PyObject_GetAttr(obj, s->names[S_NAME])) == NULL)
             goto out;
     }
-    if (_PyObject_LookupAttr(obj, s->names[S_MODULE], &m) < 0)
-        goto out;
+    if ((m = PyObject_GetAttr(obj, s->names[S_MODULE])) == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            goto out;
+        PyErr_Clear();
+    }
     if (m == NULL || !PyUnicode_CheckExact(m) || !PyUnicode_CheckExact(q)) {
         rc = decline(s); /* whichmodule would search sys.modules */
         goto out;
@@ -316,9 +319,9 @@ static int save_class(mdw *s, PyObject *cls)
         return -1;
     if (memo_has(s, cls, &v))
         return (v & CONV) ? decline(s) : wr(ss_pkw_get(&s->w, v));
-    if (cls == (PyObject *)&_PyNone_Type ||
-        cls == (PyObject *)&PyEllipsis_Type ||
-        cls == (PyObject *)&_PyNotImplemented_Type)
+    if (cls == (PyObject *)Py_TYPE(Py_None) ||
+        cls == (PyObject *)Py_TYPE(Py_Ellipsis) ||
+        cls == (PyObject *)Py_TYPE(Py_NotImplemented))
         return decline(s);
     return save_global(s, cls, NULL);
 }
