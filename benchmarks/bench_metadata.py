@@ -7,8 +7,12 @@ shard). For each size, one Metadata of 2-D tensors split in 64 row chunks
 (its storage_data included) is written and read, side by side in one run:
 
   write   torch DCP: pickle.dumps of torch's classes; shardstate:
-          _pickle.dumps_metadata (the same bytes: the C pickler on stand-in
-          classes, here with torch loaded)
+          _pickle.dumps_metadata (the same bytes: the C walk _core.md_dumps
+          over the Metadata, here with torch loaded)
+  write, stand-ins
+          the same through the writer's Python fast conversion and CPython's
+          C pickler on stand-in classes (what serves graphs the C walk hands
+          over)
   write, generic
           the same through the writer's generic conversion (what serves
           graphs the fast conversion hands over)
@@ -111,7 +115,8 @@ def main() -> int:
         ours = _metadata(n, torch)
         theirs = ours  # with torch installed, the metadata classes are torch's own
         data = _pickle.dumps_metadata(ours)
-        if pickle.dumps(theirs) != data or _writer._dumps(ours, True) != data:
+        if (pickle.dumps(theirs) != data or _writer._dumps(ours, True) != data
+                or _writer._dumps(ours, c=False) != data):
             raise AssertionError("the writer's conversions disagree with torch's pickle")
         if pickle.loads(data) != theirs:
             raise AssertionError("torch does not read back what shardstate wrote")
@@ -124,6 +129,8 @@ def main() -> int:
         torch_write = _median(lambda: pickle.dumps(theirs), args.repeat)
         rows = [
             ("write", torch_write, _median(lambda: _pickle.dumps_metadata(ours), args.repeat)),
+            ("write, stand-ins", torch_write,
+             _median(lambda: _writer._dumps(ours, c=False), args.repeat)),
             ("write, generic", torch_write,
              _median(lambda: _writer._dumps(ours, True), args.repeat)),
             ("write, torch-free", torch_write, free_s),

@@ -3,9 +3,11 @@
 Writing. ``dumps_metadata`` (``writer``) gives the protocol-4 pickle that
 torch's ``FileSystemWriter`` writes with ``pickle.dump(metadata)``
 (docs/FORMAT.md, section 7), byte for byte, naming torch's classes by their
-import paths, with or without torch: CPython's C pickler runs on stand-ins
-(``standins``: classes in placeholder modules named with the lengths of
-torch's, renamed in the output).
+import paths, with or without torch: a C walk (``_core.md_dumps``) writes
+what CPython's C pickler writes for stand-ins (``standins``: classes in
+placeholder modules named with the lengths of torch's, renamed in the
+output), and the pickler itself runs on them for graphs the walk does not
+cover.
 
 Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
 the bytes into a graph of inert stand-ins with ``find_class`` limited to an
