@@ -41,6 +41,7 @@ from ..metadata import Metadata
 from .allowlist import _METADATA_GLOBALS, _PROXIES
 from .build import _build, from_unpickled
 from .errors import PickleFormatError, UnsafePickleError
+from .fastread import _fast
 from .objects import dumps_object, loads_object
 from .unpickler import _unpickle
 from .writer import dumps_metadata
@@ -76,6 +77,10 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     if allow_unsafe:
         return from_unpickled(pickle.loads(data))
     with gc_paused():
+        if isinstance(data, bytes):
+            md = _fast(data)
+            if md is not None:
+                return md
         try:
             obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
         except UnsafePickleError as e:
