@@ -14,7 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 /* Preallocated nodes: None, False, True, ints 0..255, the empty tuple. */
 #define N_NONE 0u
 #define N_FALSE 1u
@@ -72,12 +71,10 @@ static int grow(void **a, size_t *cap, size_t need, size_t elem)
 
 static int refuse(dec *s, int code, size_t at, const char *why)
 {
-    return ss_errinfo_set(s->err, code, "mdread", NULL, (int64_t)at, "%s",
-                          why);
+    return ss_errinfo_set(s->err, code, "mdread", NULL, (int64_t)at, "%s", why);
 }
 
-static int new_node(dec *s, uint8_t kind, uint32_t a, uint32_t b,
-                    uint32_t *idx)
+static int new_node(dec *s, uint8_t kind, uint32_t a, uint32_t b, uint32_t *idx)
 {
     ss_mdread *r = s->r;
     ss_md_node *n;
@@ -294,8 +291,8 @@ static int int_node(dec *s, int64_t v)
         return SS_ENOMEM;
     if (v > 0 && v < 65536 && s->ints[v])
         return push(s, s->ints[v] - 1);
-    if ((rc = new_node(s, SS_MD_INT, (uint32_t)u, (uint32_t)(u >> 32),
-                       &idx)) < 0)
+    if ((rc = new_node(s, SS_MD_INT, (uint32_t)u, (uint32_t)(u >> 32), &idx)) <
+        0)
         return rc;
     if (v > 0 && v < 65536)
         s->ints[v] = idx + 1;
@@ -475,8 +472,7 @@ static int flatten(dec *s)
 {
     ss_mdread *r = s->r;
     size_t k = 0;
-    if (s->ntmp &&
-        (r->kids = malloc(s->ntmp * sizeof *r->kids)) == NULL)
+    if (s->ntmp && (r->kids = malloc(s->ntmp * sizeof *r->kids)) == NULL)
         return SS_ENOMEM;
     for (size_t i = N_FIXED; i < r->res.nnodes; i++) {
         ss_md_node *n = &r->nodes[i];
@@ -506,9 +502,9 @@ static int run(dec *s)
 
     /* the fixed nodes */
     for (uint32_t i = 0; i < N_FIXED; i++) {
-        uint8_t kind = i == N_NONE    ? SS_MD_NONE
-                       : i == N_FALSE ? SS_MD_FALSE
-                       : i == N_TRUE  ? SS_MD_TRUE
+        uint8_t kind = i == N_NONE         ? SS_MD_NONE
+                       : i == N_FALSE      ? SS_MD_FALSE
+                       : i == N_TRUE       ? SS_MD_TRUE
                        : i < N_EMPTY_TUPLE ? SS_MD_INT
                                            : SS_MD_TUPLE;
         if ((rc = new_node(s, kind, kind == SS_MD_INT ? i - N_INT0 : 0, 0,

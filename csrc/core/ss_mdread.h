@@ -59,7 +59,7 @@ enum ss_md_kind {
 };
 
 typedef struct ss_md_node {
-    uint8_t kind;  /* enum ss_md_kind */
+    uint8_t kind; /* enum ss_md_kind */
     uint8_t spare[3];
     uint32_t a, b, c;
     uint32_t share; /* 0, or the node's share slot (fetched from the memo) */

@@ -93,7 +93,8 @@ static const char *const field_names[NFIELDS] = {
 };
 
 /* Each class's known fields (build.py's _F_*), in no particular order. */
-static const int8_t known[NCLS][6] = { /* -1 ends a row */
+static const int8_t known[NCLS][6] = {
+    /* -1 ends a row */
     [CLS_METADATA] = {F_SDM, F_PLANNER, F_STORAGE, F_SMETA, F_VERSION, -1},
     [CLS_TENSOR] = {F_PROPERTIES, F_SIZE, F_CHUNKS, -1},
     [CLS_PROPS] = {F_DTYPE, F_LAYOUT, F_REQGRAD, F_MEMFMT, F_PIN, -1},
@@ -399,7 +400,8 @@ static PyObject *build_chunk(bld *b, const fields *f)
     return new_obj(b, CLS_CHUNK, state_dict(b, f, vals));
 }
 
-/* Every chunk of a tensor inside it (build.py's _build_TensorStorageMetadata). */
+/* Every chunk of a tensor inside it (build.py's _build_TensorStorageMetadata).
+ */
 static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
                          uint32_t nd)
 {
@@ -544,8 +546,8 @@ static PyObject *build_storage_meta(bld *b, const fields *f)
     const ss_md_node *mods = field(b, f, F_MODULES);
     PyObject *d;
     PyObject *vals[NFIELDS] = {0};
-    if (!str_or_none(field(b, f, F_CKPT)) || !str_or_none(field(b, f, F_SAVE)) ||
-        !str_or_none(field(b, f, F_LOAD)))
+    if (!str_or_none(field(b, f, F_CKPT)) ||
+        !str_or_none(field(b, f, F_SAVE)) || !str_or_none(field(b, f, F_LOAD)))
         return NULL;
     if (mods != NULL) {
         if (mods->kind != SS_MD_LIST)

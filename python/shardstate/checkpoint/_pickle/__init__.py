@@ -81,12 +81,18 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
             md = _fast(data)
             if md is not None:
                 return md
-        try:
-            obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
-        except UnsafePickleError as e:
-            raise UnsafePickleError(
-                f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
-                "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
-        if type(obj) is not _PROXIES["Metadata"]:
-            raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
-        return _build(".metadata", obj)
+        return _reference(data)
+
+
+def _reference(data: bytes) -> Metadata:
+    """The reference reader (``unpickler`` + ``build``): what the fast path
+    must agree with, and what decides every stream it does not take."""
+    try:
+        obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+    except UnsafePickleError as e:
+        raise UnsafePickleError(
+            f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
+            "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
+    if type(obj) is not _PROXIES["Metadata"]:
+        raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
+    return _build(".metadata", obj)
