@@ -163,12 +163,17 @@ static int make_tuple(dec *s, size_t n)
     int rc;
     if (n == 0)
         return push(s, N_EMPTY_TUPLE);
-    if ((rc = take(s, n, &items)) < 0 ||
-        (rc = new_node(s, SS_MD_TUPLE, 0, 0, &t)) < 0)
+    if ((rc = take(s, n, &items)) < 0)
         return rc;
-    /* a tuple is one segment, like a list's first */
-    if ((rc = add_items(s, t, items, n)) < 0)
+    if (s->ntmp + n >= UINT32_MAX)
+        return refuse(s, SS_ERANGE, s->p, "too many items");
+    if (grow((void **)&s->tmp, &s->tcap, s->ntmp + n, sizeof *s->tmp) < 0)
+        return SS_ENOMEM;
+    /* a tuple's items are final at once: (offset, count) in tmp */
+    memcpy(s->tmp + s->ntmp, items, n * sizeof *items);
+    if ((rc = new_node(s, SS_MD_TUPLE, (uint32_t)s->ntmp, (uint32_t)n, &t)) < 0)
         return rc;
+    s->ntmp += n;
     return push(s, t);
 }
 
@@ -240,7 +245,7 @@ static int memo_get(dec *s, uint64_t i)
         return refuse(s, SS_ERANGE, s->p, "memo index not stored");
     n = &s->r->nodes[s->memo[i]];
     if (n->share == 0) {
-        if (s->r->res.shared == UINT32_MAX)
+        if (s->r->res.shared == SS_MD_SHARE_MAX)
             return refuse(s, SS_ERANGE, s->p, "too many shared values");
         n->share = ++s->r->res.shared;
     }
@@ -467,30 +472,46 @@ static int step(dec *s, uint8_t op)
 #undef NEED
 }
 
-/* Copies every container's items into one array, in node order. */
+/* Gives every list and dict its items as one range of tmp: a container
+ * filled in one batch (the usual case) already has one; the items of one
+ * filled in several are copied to the end. tmp becomes the result's kids. */
 static int flatten(dec *s)
 {
     ss_mdread *r = s->r;
-    size_t k = 0;
-    if (s->ntmp && (r->kids = malloc(s->ntmp * sizeof *r->kids)) == NULL)
-        return SS_ENOMEM;
     for (size_t i = N_FIXED; i < r->res.nnodes; i++) {
         ss_md_node *n = &r->nodes[i];
         uint32_t g;
-        if (n->kind != SS_MD_TUPLE && n->kind != SS_MD_LIST &&
-            n->kind != SS_MD_DICT)
+        size_t total = 0;
+        if (n->kind != SS_MD_LIST && n->kind != SS_MD_DICT)
             continue;
         g = n->a;
-        n->a = (uint32_t)k;
         n->c = 0;
-        while (g) {
-            const seg *sg = &s->segs[g - 1];
-            memcpy(r->kids + k, s->tmp + sg->off, sg->count * sizeof *r->kids);
-            k += sg->count;
-            g = sg->next;
+        if (g == 0) {
+            n->a = 0;
+            continue;
+        }
+        if (s->segs[g - 1].next == 0) {
+            n->a = s->segs[g - 1].off;
+            continue;
+        }
+        for (uint32_t h = g; h; h = s->segs[h - 1].next)
+            total += s->segs[h - 1].count;
+        if (s->ntmp + total >= UINT32_MAX)
+            return refuse(s, SS_ERANGE, s->p, "too many items");
+        if (grow((void **)&s->tmp, &s->tcap, s->ntmp + total, sizeof *s->tmp) <
+            0)
+            return SS_ENOMEM;
+        n->a = (uint32_t)s->ntmp;
+        for (uint32_t h = g; h; h = s->segs[h - 1].next) {
+            const seg *sg = &s->segs[h - 1];
+            memcpy(s->tmp + s->ntmp, s->tmp + sg->off,
+                   sg->count * sizeof *s->tmp);
+            s->ntmp += sg->count;
         }
     }
-    r->res.nkids = k;
+    r->kids = s->tmp;
+    r->res.nkids = s->ntmp;
+    s->tmp = NULL;
     return 0;
 }
 

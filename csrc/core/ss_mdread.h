@@ -28,9 +28,10 @@
  *    NEWOBJ or REDUCE node; APPEND(S) only to lists, SETITEM(S) only to
  *    dicts (an even number of items);
  *  - a node fetched from the memo (GET) carries a share slot (1-based,
- *    dense), so the binding can build it once; no other node is reachable
- *    twice, but for the immutable ones decode makes once and hands out for
- *    every use (None, the bools, ints 0..65535, the empty tuple).
+ *    dense, at most SS_MD_SHARE_MAX), so the binding can build it once; no
+ * other node is reachable twice, but for the immutable ones decode makes once
+ * and hands out for every use (None, the bools, ints 0..65535, the empty
+ * tuple).
  *
  * The result is immutable after decode and may be read from any thread;
  * decode itself keeps no state beyond its arguments. */
@@ -58,12 +59,15 @@ enum ss_md_kind {
     SS_MD_REDUCE  /* a: callable node, b: args (a tuple), c: state + 1 or 0 */
 };
 
+/* 16 bytes: a .metadata of 192,000 chunks makes about 4 million. */
 typedef struct ss_md_node {
-    uint8_t kind; /* enum ss_md_kind */
-    uint8_t spare[3];
+    unsigned kind : 8;   /* enum ss_md_kind */
+    unsigned share : 24; /* 0, or the node's share slot (fetched from memo) */
     uint32_t a, b, c;
-    uint32_t share; /* 0, or the node's share slot (fetched from the memo) */
 } ss_md_node;
+
+/* The most share slots a stream may use (decode refuses more). */
+#define SS_MD_SHARE_MAX 0xffffffu
 
 typedef struct ss_md_result {
     const ss_md_node *nodes;

@@ -298,22 +298,50 @@ static const ss_md_node *field(const bld *b, const fields *f, int id)
     return f->has[id] ? N(b, f->node[id]) : NULL;
 }
 
-/* object.__new__(cls) with __dict__ = d (build.py's _Builder.new); steals d. */
+/* object.__new__(cls) with the items of d set as attributes (build.py's
+ * _Builder.new: o.__dict__.update(d); fastread.py admits only classes
+ * without a data descriptor named as a field, where the two agree); steals
+ * d. */
 static PyObject *new_obj(bld *b, int cls, PyObject *d)
 {
     PyTypeObject *tp = (PyTypeObject *)b->classes[cls];
-    PyObject *o = NULL;
+    PyObject *o = NULL, *k, *v;
+    Py_ssize_t pos = 0;
     if (d == NULL)
         return NULL;
     o = PyBaseObject_Type.tp_new(tp, b->empty, NULL);
-    if (o != NULL && PyObject_GenericSetDict(o, d, NULL) < 0)
-        Py_CLEAR(o);
+    while (o != NULL && PyDict_Next(d, &pos, &k, &v))
+        if (PyObject_GenericSetAttr(o, k, v) < 0)
+            Py_CLEAR(o);
     Py_DECREF(d);
     return o;
 }
 
-/* The dict of the fields in their order: each value from vals (a new
- * reference, or NULL: value(node)). Steals the references in vals. */
+/* object.__new__(cls) with the fields in their order: each value from vals
+ * (a new reference, or NULL: value(node)). Steals the references in vals.
+ * Attributes are set one by one, so the instance keeps CPython's compact
+ * per-instance values rather than a dict of its own. */
+static PyObject *make(bld *b, int cls, const fields *f, PyObject **vals)
+{
+    PyTypeObject *tp = (PyTypeObject *)b->classes[cls];
+    PyObject *o = PyBaseObject_Type.tp_new(tp, b->empty, NULL);
+    for (int j = 0; j < f->n; j++) {
+        int id = f->order[j];
+        PyObject *v = vals[id];
+        vals[id] = NULL;
+        if (o != NULL && v == NULL)
+            v = value(b, f->node[id]);
+        if (o != NULL &&
+            (v == NULL || PyObject_GenericSetAttr(o, b->names[id], v) < 0))
+            Py_CLEAR(o);
+        Py_XDECREF(v);
+    }
+    for (int id = 0; id < NFIELDS; id++)
+        Py_CLEAR(vals[id]);
+    return o;
+}
+
+/* The fields as a dict, for new_obj (see make). */
 static PyObject *state_dict(bld *b, const fields *f, PyObject **vals)
 {
     PyObject *d = PyDict_New();
@@ -376,7 +404,7 @@ static PyObject *build_metadata(bld *b, const fields *f)
         if (!ok)
             goto fail;
     }
-    return new_obj(b, CLS_METADATA, state_dict(b, f, vals));
+    return make(b, CLS_METADATA, f, vals);
 fail:
     Py_DECREF(out);
     return NULL;
@@ -397,7 +425,7 @@ static PyObject *build_chunk(bld *b, const fields *f)
         Py_XDECREF(vals[F_OFFSETS]);
         return NULL;
     }
-    return new_obj(b, CLS_CHUNK, state_dict(b, f, vals));
+    return make(b, CLS_CHUNK, f, vals);
 }
 
 /* Every chunk of a tensor inside it (build.py's _build_TensorStorageMetadata).
@@ -446,7 +474,7 @@ static PyObject *build_tensor(bld *b, const fields *f)
     vals[F_SIZE] = size_obj(b, f->node[F_SIZE]);
     if (vals[F_SIZE] == NULL)
         return NULL;
-    return new_obj(b, CLS_TENSOR, state_dict(b, f, vals));
+    return make(b, CLS_TENSOR, f, vals);
 }
 
 /* One TensorProperties field: a new reference, or NULL (not ours). */
@@ -538,7 +566,7 @@ static PyObject *build_index(bld *b, const fields *f)
     if (off != NULL && off->kind != SS_MD_NONE &&
         (vals[F_OFFSET] = size_obj(b, f->node[F_OFFSET])) == NULL)
         return NULL;
-    return new_obj(b, CLS_INDEX, state_dict(b, f, vals));
+    return make(b, CLS_INDEX, f, vals);
 }
 
 static PyObject *build_storage_meta(bld *b, const fields *f)
@@ -585,7 +613,7 @@ static PyObject *build_storage_info(bld *b, const fields *f)
         (crc->kind != SS_MD_INT || ival(crc) < 0 ||
          ival(crc) > (int64_t)UINT32_MAX))
         return NULL;
-    return new_obj(b, CLS_STORAGE_INFO, state_dict(b, f, vals));
+    return make(b, CLS_STORAGE_INFO, f, vals);
 }
 
 static PyObject *build_class(bld *b, int cls, const ss_md_node *n)

@@ -20,11 +20,13 @@ No torch import; thread-safe.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ... import _core
 from ..._util import loaded_torch
 from .. import metadata as _md
+from . import build as _b
 from .names import _DTYPE_NAMES, _LAYOUT_NAMES, _LEGACY_MOD, _MD_MOD, _MEMFMT_NAMES, _torch_module
 
 # The class order of csrc/py/mdread.c's CLS_*, then its other codes.
@@ -32,7 +34,20 @@ _CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStora
             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
 _G_SIZE, _G_DTYPE, _G_MEMFMT, _G_LAYOUT, _G_MEMENC = range(len(_CLASSES), len(_CLASSES) + 5)
 
-_cache: dict[bool, tuple[Any, ...]] = {}
+_FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, _b._F_INDEX,
+           _b._F_STORAGE_META, _b._F_STORAGE_INFO)
+
+_cache: dict[bool, tuple[Any, ...] | None] = {}
+
+
+def _plain_attrs(cls: type, names: frozenset[str]) -> bool:
+    """Whether setting these attributes (the C path) is ``o.__dict__.update``
+    (build.py): instances have a __dict__ and no data descriptor takes a name."""
+    if not cls.__dictoffset__:
+        return False
+    return not any(hasattr(type(inspect.getattr_static(cls, n, None)), "__set__")
+                   or hasattr(type(inspect.getattr_static(cls, n, None)), "__delete__")
+                   for n in names)
 
 
 def _torch_obj(name: str, torch: Any) -> Any:
@@ -45,11 +60,15 @@ def _torch_obj(name: str, torch: Any) -> Any:
         return None
 
 
-def _context(torch: Any) -> tuple[Any, ...]:
-    got = _cache.get(torch is not None)
-    if got is not None:
-        return got
+def _context(torch: Any) -> tuple[Any, ...] | None:
+    """The context for C, or None where the fast path cannot serve."""
+    key = torch is not None
+    if key in _cache:
+        return _cache[key]
     classes = tuple(getattr(_md, n) for n in _CLASSES)
+    if not all(_plain_attrs(c, f.known) for c, f in zip(classes, _FIELDS)):
+        _cache[key] = None
+        return None
     g: dict[tuple[str, str], tuple[int, Any]] = {
         (_torch_module(n), n): (i, None) for i, n in enumerate(_CLASSES)
     }
@@ -71,13 +90,16 @@ def _context(torch: Any) -> tuple[Any, ...]:
     memfmt = tuple(_torch_obj(n, torch) for n in (
         "torch.contiguous_format", "torch.channels_last", "torch.preserve_format"))
     size_type = torch.Size if torch is not None else None
-    got = _cache[torch is not None] = (classes, g, size_type, memfmt)
+    got = _cache[key] = (classes, g, size_type, memfmt)
     return got
 
 
 def _fast(data: bytes) -> Any:
     """The Metadata, or None: not recognised (the reference decides)."""
-    classes, g, size_type, memfmt = _context(loaded_torch())
+    ctx = _context(loaded_torch())
+    if ctx is None:
+        return None
+    classes, g, size_type, memfmt = ctx
     try:
         defaults = dict(_md.TensorProperties().__dict__)
     except Exception:  # noqa: BLE001 - the reference builds these itself
