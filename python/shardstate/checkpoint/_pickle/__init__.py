@@ -7,13 +7,19 @@ import paths, with or without torch: CPython's C pickler runs on stand-ins
 (``standins``: classes in placeholder modules named with the lengths of
 torch's, renamed in the output).
 
-Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
-the bytes into a graph of inert stand-ins with ``find_class`` limited to an
-allowlist (``allowlist``; on CPython's C unpickler for streams the C scan
-passes, else on the pure-Python reference), and ``build`` validates the
-graph and makes shardstate's metadata classes. Nothing outside the
-allowlist is imported or called. ``allow_unsafe=True`` is a plain
-``pickle.loads`` instead, for trusted checkpoints.
+Reading. ``loads_metadata`` runs the restricted reader. First its fast
+path (``fastread``): C decodes the stream (csrc/core/ss_mdread.c, GIL
+released) and makes the metadata classes in one pass with ``build``'s
+checks (csrc/py/mdread.c), for the globals and forms torch's pickle of a
+Metadata uses; it answers None for anything else. Then, for those, the
+reference (``_reference``), which decides, errors included: ``unpickler``
+turns the bytes into a graph of inert stand-ins with ``find_class`` limited
+to an allowlist (``allowlist``; on CPython's C unpickler for streams the C
+scan passes, else on the pure-Python reference), and ``build`` validates
+the graph and makes shardstate's metadata classes. The fast path gives the
+same Metadata the reference would, or None (tests/test_mdread.py). Nothing
+outside the allowlist is imported or called. ``allow_unsafe=True`` is a
+plain ``pickle.loads`` instead, for trusted checkpoints.
 
 Bytes items. ``dumps_object`` / ``loads_object`` (``objects``): the record
 ``torch.save`` writes for a DCP bytes item, and its restricted read.
@@ -24,8 +30,8 @@ Both subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``;
 no other exception escapes the restricted ``loads_*`` for any input.
 
 Imports, without cycles: writer -> standins -> names; allowlist -> names,
-errors; unpickler -> allowlist, errors; build -> allowlist, errors; objects -> build,
-unpickler, allowlist.
+errors; unpickler -> allowlist, errors; build -> allowlist, errors; fastread -> build,
+names; objects -> build, unpickler, allowlist.
 
 Invariants: no torch import anywhere in this package (torch objects are
 built only when torch is already in ``sys.modules``). Functions are
