@@ -317,3 +317,58 @@ def test_mutated_streams_never_disagree() -> None:
             else:
                 b.insert(i, r.randrange(256))
         check(bytes(b))
+
+
+_TORCH_FREE = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+from shardstate.checkpoint import metadata as smd, _pickle
+from shardstate.checkpoint._pickle import fastread
+T = smd.TorchName
+chunks = [smd.ChunkStorageMetadata((i * 2, 0), (2, 3)) for i in range(3)]
+md = smd.Metadata(
+    state_dict_metadata={
+        "w": smd.TensorStorageMetadata(smd.TensorProperties(dtype=T("torch.float16")), (6, 3),
+                                       chunks),
+        "b": smd.BytesStorageMetadata()},
+    storage_data={smd.MetadataIndex("w", (i * 2, 0), i): smd._StorageInfo("__0_0.distcp", i, 9)
+                  for i in range(3)},
+    planner_data={"w": ("w",)}, storage_meta=smd.StorageMeta("c", "s"), version="1.0.0")
+data = _pickle.dumps_metadata(md)
+got = fastread._fast(data)
+assert type(got) is smd.Metadata and got == md == _pickle._reference(data), got
+size = got.state_dict_metadata["w"].size
+assert type(size) is tuple and type(got.state_dict_metadata["w"].properties.dtype) is T
+assert list(vars(got)) == list(vars(_pickle._reference(data)))
+print("ok")
+"""
+
+
+def test_torch_free_metadata_served() -> None:
+    """Without torch (a NumPy-only save), _torchfree's classes, tuples and TorchName."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", _TORCH_FREE], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_classes_with_descriptors_are_left_to_the_reference() -> None:
+    """The C path sets attributes; where a data descriptor (a property, a
+    slot) takes a field's name, that is not __dict__.update: no fast path."""
+
+    class WithProperty:
+        fqn = property(lambda self: "x", lambda self, v: None)
+
+    class WithSlots:
+        __slots__ = ("fqn",)
+
+    class Plain:
+        fqn = None
+
+    assert not fastread._plain_attrs(WithProperty, frozenset({"fqn"}))
+    assert not fastread._plain_attrs(WithSlots, frozenset({"fqn"}))
+    assert fastread._plain_attrs(Plain, frozenset({"fqn"}))
+    assert fastread._plain_attrs(tmd.MetadataIndex, B._F_INDEX.known)
