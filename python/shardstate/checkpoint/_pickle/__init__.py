@@ -9,13 +9,19 @@ placeholder modules named with the lengths of torch's, renamed in the
 output), and the pickler itself runs on them for graphs the walk does not
 cover.
 
-Reading. ``loads_metadata`` runs the restricted reader: ``unpickler`` turns
-the bytes into a graph of inert stand-ins with ``find_class`` limited to an
-allowlist (``allowlist``; on CPython's C unpickler for streams the C scan
-passes, else on the pure-Python reference), and ``build`` validates the
-graph and makes shardstate's metadata classes. Nothing outside the
-allowlist is imported or called. ``allow_unsafe=True`` is a plain
-``pickle.loads`` instead, for trusted checkpoints.
+Reading. ``loads_metadata`` runs the restricted reader. First its fast
+path (``fastread``): C decodes the stream (csrc/core/ss_mdread.c, GIL
+released) and makes the metadata classes in one pass with ``build``'s
+checks (csrc/py/mdread.c), for the globals and forms torch's pickle of a
+Metadata uses; it answers None for anything else. Then, for those, the
+reference (``_reference``), which decides, errors included: ``unpickler``
+turns the bytes into a graph of inert stand-ins with ``find_class`` limited
+to an allowlist (``allowlist``; on CPython's C unpickler for streams the C
+scan passes, else on the pure-Python reference), and ``build`` validates
+the graph and makes shardstate's metadata classes. The fast path gives the
+same Metadata the reference would, or None (tests/test_mdread.py). Nothing
+outside the allowlist is imported or called. ``allow_unsafe=True`` is a
+plain ``pickle.loads`` instead, for trusted checkpoints.
 
 Bytes items. ``dumps_object`` / ``loads_object`` (``objects``): the record
 ``torch.save`` writes for a DCP bytes item, and its restricted read.
@@ -26,8 +32,8 @@ Both subclass ``shardstate.ShardstateError`` and ``pickle.UnpicklingError``;
 no other exception escapes the restricted ``loads_*`` for any input.
 
 Imports, without cycles: writer -> standins -> names; allowlist -> names,
-errors; unpickler -> allowlist, errors; build -> allowlist, errors; objects -> build,
-unpickler, allowlist.
+errors; unpickler -> allowlist, errors; build -> allowlist, errors; fastread -> build,
+names; objects -> build, unpickler, allowlist.
 
 Invariants: no torch import anywhere in this package (torch objects are
 built only when torch is already in ``sys.modules``). Functions are
@@ -43,6 +49,7 @@ from ..metadata import Metadata
 from .allowlist import _METADATA_GLOBALS, _PROXIES
 from .build import _build, from_unpickled
 from .errors import PickleFormatError, UnsafePickleError
+from .fastread import _fast
 from .objects import dumps_object, loads_object
 from .unpickler import _unpickle
 from .writer import dumps_metadata
@@ -78,12 +85,22 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     if allow_unsafe:
         return from_unpickled(pickle.loads(data))
     with gc_paused():
-        try:
-            obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
-        except UnsafePickleError as e:
-            raise UnsafePickleError(
-                f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
-                "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
-        if type(obj) is not _PROXIES["Metadata"]:
-            raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
-        return _build(".metadata", obj)
+        if isinstance(data, bytes):
+            md = _fast(data)
+            if md is not None:
+                return md
+        return _reference(data)
+
+
+def _reference(data: bytes) -> Metadata:
+    """The reference reader (``unpickler`` + ``build``): what the fast path
+    must agree with, and what decides every stream it does not take."""
+    try:
+        obj = _unpickle(data, _METADATA_GLOBALS, ".metadata")
+    except UnsafePickleError as e:
+        raise UnsafePickleError(
+            f"{e}; a trusted checkpoint loads with FileSystemReader(path, "
+            "unsafe_unpickle=True), which reads .metadata with plain pickle") from None
+    if type(obj) is not _PROXIES["Metadata"]:
+        raise PickleFormatError(f".metadata holds {type(obj).__name__}, not a Metadata")
+    return _build(".metadata", obj)

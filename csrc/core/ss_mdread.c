@@ -1,0 +1,618 @@
+/* ss_mdread.c - the .metadata decoder of ss_mdread.h.
+ *
+ * One pass over the opcodes: a stack and a memo of node indices, the marks
+ * as stack positions; allocations grow by doubling and are bounded by the
+ * stream (at most one node and a few items per byte). Lists
+ * and dicts grow after they are made (APPENDS, SETITEMS may come long
+ * after, through the memo), so their items are recorded as segments of a
+ * scratch array, chained per container; at the end every container's
+ * items are copied into one array in container order (a tuple's too), so
+ * the binding sees (offset, count) everywhere. Every argument is checked
+ * against the bytes left before it is read. */
+#include "ss_mdread.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Preallocated nodes: None, False, True, ints 0..255, the empty tuple. */
+#define N_NONE 0u
+#define N_FALSE 1u
+#define N_TRUE 2u
+#define N_INT0 3u
+#define N_EMPTY_TUPLE (N_INT0 + 256u)
+#define N_FIXED (N_EMPTY_TUPLE + 1u)
+
+typedef struct seg {
+    uint32_t off, count, next; /* next: segment index + 1, or 0 */
+} seg;
+
+struct ss_mdread {
+    ss_md_result res;
+    ss_md_node *nodes;
+    size_t ncap;
+    uint32_t *kids;
+};
+
+typedef struct dec {
+    const uint8_t *d;
+    size_t len, p;
+    ss_mdread *r;
+    uint32_t *tmp; /* items in arrival order */
+    size_t ntmp, tcap;
+    seg *segs;
+    size_t nsegs, scap;
+    uint32_t *stack;
+    size_t sp, stcap;
+    size_t *marks;
+    size_t nmarks, mcap;
+    uint32_t *memo;
+    size_t nmemo, memocap;
+    uint32_t *ints; /* node + 1 of each int 256..65535 made so far */
+    ss_errinfo *err;
+} dec;
+
+static int grow(void **a, size_t *cap, size_t need, size_t elem)
+{
+    size_t n = *cap ? *cap : 256;
+    void *p;
+    if (need <= *cap)
+        return 0;
+    while (n < need)
+        n *= 2;
+    if (n > SIZE_MAX / elem)
+        return SS_ENOMEM;
+    p = realloc(*a, n * elem);
+    if (p == NULL)
+        return SS_ENOMEM;
+    *a = p;
+    *cap = n;
+    return 0;
+}
+
+static int refuse(dec *s, int code, size_t at, const char *why)
+{
+    return ss_errinfo_set(s->err, code, "mdread", NULL, (int64_t)at, "%s", why);
+}
+
+static int new_node(dec *s, uint8_t kind, uint32_t a, uint32_t b, uint32_t *idx)
+{
+    ss_mdread *r = s->r;
+    ss_md_node *n;
+    if (r->res.nnodes >= UINT32_MAX - 1)
+        return refuse(s, SS_ERANGE, s->p, "too many values");
+    if (grow((void **)&r->nodes, &r->ncap, r->res.nnodes + 1,
+             sizeof *r->nodes) < 0)
+        return SS_ENOMEM;
+    n = &r->nodes[r->res.nnodes];
+    memset(n, 0, sizeof *n);
+    n->kind = kind;
+    n->a = a;
+    n->b = b;
+    *idx = (uint32_t)r->res.nnodes++;
+    return 0;
+}
+
+static int push(dec *s, uint32_t v)
+{
+    if (grow((void **)&s->stack, &s->stcap, s->sp + 1, sizeof *s->stack) < 0)
+        return SS_ENOMEM;
+    s->stack[s->sp++] = v;
+    return 0;
+}
+
+static size_t fence(const dec *s)
+{
+    return s->nmarks ? s->marks[s->nmarks - 1] : 0;
+}
+
+/* Pops n values above the fence into *out (a pointer into the stack, valid
+ * until the next push). */
+static int take(dec *s, size_t n, const uint32_t **out)
+{
+    if (s->sp - fence(s) < n)
+        return refuse(s, SS_EINVAL, s->p, "stack underflow");
+    s->sp -= n;
+    *out = s->stack + s->sp;
+    return 0;
+}
+
+static int pop_mark(dec *s, size_t *mark)
+{
+    if (s->nmarks == 0)
+        return refuse(s, SS_EINVAL, s->p, "no MARK");
+    *mark = s->marks[--s->nmarks];
+    return 0;
+}
+
+/* Records items as a new segment of container node ci. */
+static int add_items(dec *s, uint32_t ci, const uint32_t *items, size_t n)
+{
+    ss_md_node *c;
+    seg *g;
+    if (n == 0)
+        return 0;
+    if (s->ntmp + n >= UINT32_MAX || s->nsegs >= UINT32_MAX - 1)
+        return refuse(s, SS_ERANGE, s->p, "too many items");
+    if (grow((void **)&s->tmp, &s->tcap, s->ntmp + n, sizeof *s->tmp) < 0 ||
+        grow((void **)&s->segs, &s->scap, s->nsegs + 1, sizeof *s->segs) < 0)
+        return SS_ENOMEM;
+    memmove(s->tmp + s->ntmp, items, n * sizeof *items);
+    g = &s->segs[s->nsegs];
+    g->off = (uint32_t)s->ntmp;
+    g->count = (uint32_t)n;
+    g->next = 0;
+    s->ntmp += n;
+    c = &s->r->nodes[ci];
+    if (c->c)
+        s->segs[c->c - 1].next = (uint32_t)s->nsegs + 1;
+    else
+        c->a = (uint32_t)s->nsegs + 1;
+    c->c = (uint32_t)++s->nsegs;
+    if (c->kind == SS_MD_DICT)
+        n /= 2;
+    if (c->b > UINT32_MAX - n)
+        return refuse(s, SS_ERANGE, s->p, "too many items");
+    c->b += (uint32_t)n;
+    return 0;
+}
+
+static int make_tuple(dec *s, size_t n)
+{
+    const uint32_t *items = NULL;
+    uint32_t t;
+    int rc;
+    if (n == 0)
+        return push(s, N_EMPTY_TUPLE);
+    if ((rc = take(s, n, &items)) < 0)
+        return rc;
+    if (s->ntmp + n >= UINT32_MAX)
+        return refuse(s, SS_ERANGE, s->p, "too many items");
+    if (grow((void **)&s->tmp, &s->tcap, s->ntmp + n, sizeof *s->tmp) < 0)
+        return SS_ENOMEM;
+    /* a tuple's items are final at once: (offset, count) in tmp */
+    memcpy(s->tmp + s->ntmp, items, n * sizeof *items);
+    if ((rc = new_node(s, SS_MD_TUPLE, (uint32_t)s->ntmp, (uint32_t)n, &t)) < 0)
+        return rc;
+    s->ntmp += n;
+    return push(s, t);
+}
+
+static uint64_t le(const uint8_t *p, size_t n)
+{
+    uint64_t v = 0;
+    for (size_t i = n; i-- > 0;)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* Appends the items above the last mark to the container below it. */
+static int extend(dec *s, uint8_t want)
+{
+    size_t mark = 0, n;
+    uint32_t ci;
+    int rc;
+    if ((rc = pop_mark(s, &mark)) < 0)
+        return rc;
+    if (mark == 0 || mark < fence(s) + 1)
+        return refuse(s, SS_EINVAL, s->p, "no container below MARK");
+    ci = s->stack[mark - 1];
+    n = s->sp - mark;
+    if (s->r->nodes[ci].kind != want || ci < N_FIXED)
+        return refuse(s, SS_EINVAL, s->p, "APPENDS/SETITEMS on another type");
+    if (want == SS_MD_DICT && n % 2)
+        return refuse(s, SS_EINVAL, s->p, "odd number of SETITEMS items");
+    if ((rc = add_items(s, ci, s->stack + mark, n)) < 0)
+        return rc;
+    s->sp = mark;
+    return 0;
+}
+
+static int append1(dec *s, uint8_t want, size_t n)
+{
+    const uint32_t *items = NULL;
+    uint32_t ci;
+    int rc;
+    if ((rc = take(s, n, &items)) < 0)
+        return rc;
+    if (s->sp <= fence(s))
+        return refuse(s, SS_EINVAL, s->p, "stack underflow");
+    ci = s->stack[s->sp - 1];
+    if (s->r->nodes[ci].kind != want || ci < N_FIXED)
+        return refuse(s, SS_EINVAL, s->p, "APPEND/SETITEM on another type");
+    return add_items(s, ci, items, n);
+}
+
+static int memo_put(dec *s, uint64_t i)
+{
+    if (s->sp <= fence(s))
+        return refuse(s, SS_EINVAL, s->p, "memo of nothing");
+    if (i > s->nmemo)
+        return refuse(s, SS_ERANGE, s->p, "memo index out of order");
+    if (i == s->nmemo) {
+        if (grow((void **)&s->memo, &s->memocap, s->nmemo + 1,
+                 sizeof *s->memo) < 0)
+            return SS_ENOMEM;
+        s->nmemo++;
+    }
+    s->memo[i] = s->stack[s->sp - 1];
+    return 0;
+}
+
+static int memo_get(dec *s, uint64_t i)
+{
+    ss_md_node *n;
+    if (i >= s->nmemo)
+        return refuse(s, SS_ERANGE, s->p, "memo index not stored");
+    n = &s->r->nodes[s->memo[i]];
+    if (n->share == 0) {
+        if (s->r->res.shared == SS_MD_SHARE_MAX)
+            return refuse(s, SS_ERANGE, s->p, "too many shared values");
+        n->share = ++s->r->res.shared;
+    }
+    return push(s, s->memo[i]);
+}
+
+/* Length-prefixed strings and bytes: w-byte length, then the data. */
+static int blob(dec *s, uint8_t kind, size_t w)
+{
+    uint64_t n;
+    uint32_t idx;
+    int rc;
+    if (s->len - s->p < w)
+        return refuse(s, SS_ERANGE, s->p, "truncated length");
+    n = le(s->d + s->p, w);
+    s->p += w;
+    if (n > s->len - s->p)
+        return refuse(s, SS_ERANGE, s->p, "string past the end");
+    if ((rc = new_node(s, kind, (uint32_t)s->p, (uint32_t)n, &idx)) < 0)
+        return rc;
+    s->p += (size_t)n;
+    return push(s, idx);
+}
+
+static int line(dec *s, uint32_t *idx)
+{
+    const uint8_t *nl = memchr(s->d + s->p, '\n', s->len - s->p);
+    size_t n;
+    int rc;
+    if (nl == NULL)
+        return refuse(s, SS_ERANGE, s->p, "GLOBAL without newline");
+    n = (size_t)(nl - (s->d + s->p));
+    if ((rc = new_node(s, SS_MD_STR, (uint32_t)s->p, (uint32_t)n, idx)) < 0)
+        return rc;
+    s->p += n + 1;
+    return 0;
+}
+
+static int int_node(dec *s, int64_t v)
+{
+    uint32_t idx;
+    int rc;
+    uint64_t u = (uint64_t)v;
+    if (v >= 0 && v < 256)
+        return push(s, N_INT0 + (uint32_t)v);
+    if (v > 0 && v < 65536 && s->ints == NULL &&
+        (s->ints = calloc(65536, sizeof *s->ints)) == NULL)
+        return SS_ENOMEM;
+    if (v > 0 && v < 65536 && s->ints[v])
+        return push(s, s->ints[v] - 1);
+    if ((rc = new_node(s, SS_MD_INT, (uint32_t)u, (uint32_t)(u >> 32), &idx)) <
+        0)
+        return rc;
+    if (v > 0 && v < 65536)
+        s->ints[v] = idx + 1;
+    return push(s, idx);
+}
+
+/* NEWOBJ / REDUCE: (callable, args) -> a node. */
+static int call(dec *s, uint8_t kind)
+{
+    const uint32_t *v = NULL;
+    uint32_t idx;
+    int rc;
+    if ((rc = take(s, 2, &v)) < 0)
+        return rc;
+    if (s->r->nodes[v[1]].kind != SS_MD_TUPLE)
+        return refuse(s, SS_EINVAL, s->p, "arguments are not a tuple");
+    if ((rc = new_node(s, kind, v[0], v[1], &idx)) < 0)
+        return rc;
+    return push(s, idx);
+}
+
+static int step(dec *s, uint8_t op)
+{
+    const uint32_t *v = NULL;
+    uint32_t idx, a;
+    size_t mark = 0;
+    int rc;
+
+#define NEED(n)                                                                \
+    do {                                                                       \
+        if (s->len - s->p < (n))                                               \
+            return refuse(s, SS_ERANGE, s->p, "truncated argument");           \
+    } while (0)
+
+    switch (op) {
+    case 'N':
+        return push(s, N_NONE);
+    case 0x88:
+        return push(s, N_TRUE);
+    case 0x89:
+        return push(s, N_FALSE);
+    case 'K':
+        NEED(1);
+        return int_node(s, s->d[s->p++]);
+    case 'M':
+        NEED(2);
+        s->p += 2;
+        return int_node(s, (int64_t)le(s->d + s->p - 2, 2));
+    case 'J':
+        NEED(4);
+        s->p += 4;
+        return int_node(s, (int32_t)(uint32_t)le(s->d + s->p - 4, 4));
+    case 0x8a: { /* LONG1: little-endian two's complement */
+        size_t n;
+        uint64_t u;
+        NEED(1);
+        n = s->d[s->p++];
+        NEED(n);
+        if (n > 8)
+            return refuse(s, SS_EINVAL, s->p, "int beyond int64");
+        u = le(s->d + s->p, n);
+        if (n > 0 && n < 8 && (s->d[s->p + n - 1] & 0x80))
+            u |= ~(uint64_t)0 << (8 * n);
+        s->p += n;
+        return int_node(s, (int64_t)u);
+    }
+    case 'G': {
+        uint64_t u = 0;
+        NEED(8);
+        for (size_t i = 0; i < 8; i++)
+            u = u << 8 | s->d[s->p + i];
+        s->p += 8;
+        if ((rc = new_node(s, SS_MD_FLOAT, (uint32_t)u, (uint32_t)(u >> 32),
+                           &idx)) < 0)
+            return rc;
+        return push(s, idx);
+    }
+    case 0x8c:
+        return blob(s, SS_MD_STR, 1);
+    case 'X':
+        return blob(s, SS_MD_STR, 4);
+    case 0x8d:
+        return blob(s, SS_MD_STR, 8);
+    case 'C':
+        return blob(s, SS_MD_BYTES, 1);
+    case 'B':
+        return blob(s, SS_MD_BYTES, 4);
+    case 0x8e:
+        return blob(s, SS_MD_BYTES, 8);
+    case ')':
+        return push(s, N_EMPTY_TUPLE);
+    case 0x85:
+    case 0x86:
+    case 0x87:
+        return make_tuple(s, (size_t)(op - 0x84));
+    case 't':
+        if ((rc = pop_mark(s, &mark)) < 0)
+            return rc;
+        if (mark < fence(s) || mark > s->sp)
+            return refuse(s, SS_EINVAL, s->p, "bad MARK");
+        return make_tuple(s, s->sp - mark);
+    case '(':
+        if (grow((void **)&s->marks, &s->mcap, s->nmarks + 1,
+                 sizeof *s->marks) < 0)
+            return SS_ENOMEM;
+        s->marks[s->nmarks++] = s->sp;
+        return 0;
+    case ']':
+    case '}':
+        if ((rc = new_node(s, op == ']' ? SS_MD_LIST : SS_MD_DICT, 0, 0,
+                           &idx)) < 0)
+            return rc;
+        return push(s, idx);
+    case 'a':
+        return append1(s, SS_MD_LIST, 1);
+    case 'e':
+        return extend(s, SS_MD_LIST);
+    case 's':
+        return append1(s, SS_MD_DICT, 2);
+    case 'u':
+        return extend(s, SS_MD_DICT);
+    case 'c':
+        if ((rc = line(s, &a)) < 0 || (rc = line(s, &idx)) < 0)
+            return rc;
+        if ((rc = new_node(s, SS_MD_GLOBAL, a, idx, &idx)) < 0)
+            return rc;
+        return push(s, idx);
+    case 0x93:
+        if ((rc = take(s, 2, &v)) < 0)
+            return rc;
+        if (s->r->nodes[v[0]].kind != SS_MD_STR ||
+            s->r->nodes[v[1]].kind != SS_MD_STR)
+            return refuse(s, SS_EINVAL, s->p, "STACK_GLOBAL of non-strings");
+        if ((rc = new_node(s, SS_MD_GLOBAL, v[0], v[1], &idx)) < 0)
+            return rc;
+        return push(s, idx);
+    case 0x81:
+        return call(s, SS_MD_NEWOBJ);
+    case 'R':
+        return call(s, SS_MD_REDUCE);
+    case 'b': {
+        ss_md_node *o;
+        if ((rc = take(s, 1, &v)) < 0)
+            return rc;
+        if (s->sp <= fence(s))
+            return refuse(s, SS_EINVAL, s->p, "stack underflow");
+        o = &s->r->nodes[s->stack[s->sp - 1]];
+        if ((o->kind != SS_MD_NEWOBJ && o->kind != SS_MD_REDUCE) || o->c)
+            return refuse(s, SS_EINVAL, s->p, "BUILD on another value");
+        o->c = v[0] + 1;
+        return 0;
+    }
+    case 0x94:
+        return memo_put(s, s->nmemo);
+    case 'q':
+        NEED(1);
+        return memo_put(s, s->d[s->p++]);
+    case 'r':
+        NEED(4);
+        s->p += 4;
+        return memo_put(s, le(s->d + s->p - 4, 4));
+    case 'h':
+        NEED(1);
+        return memo_get(s, s->d[s->p++]);
+    case 'j':
+        NEED(4);
+        s->p += 4;
+        return memo_get(s, le(s->d + s->p - 4, 4));
+    default:
+        return refuse(s, SS_EINVAL, s->p - 1, "opcode outside the decoded set");
+    }
+#undef NEED
+}
+
+/* Gives every list and dict its items as one range of tmp: a container
+ * filled in one batch (the usual case) already has one; the items of one
+ * filled in several are copied to the end. tmp becomes the result's kids. */
+static int flatten(dec *s)
+{
+    ss_mdread *r = s->r;
+    for (size_t i = N_FIXED; i < r->res.nnodes; i++) {
+        ss_md_node *n = &r->nodes[i];
+        uint32_t g;
+        size_t total = 0;
+        if (n->kind != SS_MD_LIST && n->kind != SS_MD_DICT)
+            continue;
+        g = n->a;
+        n->c = 0;
+        if (g == 0) {
+            n->a = 0;
+            continue;
+        }
+        if (s->segs[g - 1].next == 0) {
+            n->a = s->segs[g - 1].off;
+            continue;
+        }
+        for (uint32_t h = g; h; h = s->segs[h - 1].next)
+            total += s->segs[h - 1].count;
+        if (s->ntmp + total >= UINT32_MAX)
+            return refuse(s, SS_ERANGE, s->p, "too many items");
+        if (grow((void **)&s->tmp, &s->tcap, s->ntmp + total, sizeof *s->tmp) <
+            0)
+            return SS_ENOMEM;
+        n->a = (uint32_t)s->ntmp;
+        for (uint32_t h = g; h; h = s->segs[h - 1].next) {
+            const seg *sg = &s->segs[h - 1];
+            memcpy(s->tmp + s->ntmp, s->tmp + sg->off,
+                   sg->count * sizeof *s->tmp);
+            s->ntmp += sg->count;
+        }
+    }
+    r->kids = s->tmp;
+    r->res.nkids = s->ntmp;
+    s->tmp = NULL;
+    return 0;
+}
+
+static int run(dec *s)
+{
+    size_t frame_end = 0;
+    int rc;
+    uint32_t idx;
+
+    /* the fixed nodes */
+    for (uint32_t i = 0; i < N_FIXED; i++) {
+        uint8_t kind = i == N_NONE         ? SS_MD_NONE
+                       : i == N_FALSE      ? SS_MD_FALSE
+                       : i == N_TRUE       ? SS_MD_TRUE
+                       : i < N_EMPTY_TUPLE ? SS_MD_INT
+                                           : SS_MD_TUPLE;
+        if ((rc = new_node(s, kind, kind == SS_MD_INT ? i - N_INT0 : 0, 0,
+                           &idx)) < 0)
+            return rc;
+    }
+    if (s->len < 2 || s->d[0] != 0x80 || s->d[1] < 3 || s->d[1] > 5)
+        return refuse(s, SS_EINVAL, 0, "not protocol 3-5");
+    s->r->res.proto = s->d[1];
+    s->p = 2;
+    for (;;) {
+        uint8_t op;
+        if (frame_end && s->p >= frame_end)
+            frame_end = 0;
+        if (s->p >= s->len)
+            return refuse(s, SS_ERANGE, s->p, "no STOP");
+        op = s->d[s->p++];
+        if (op == '.') {
+            if (s->sp != 1 || s->nmarks)
+                return refuse(s, SS_EINVAL, s->p - 1, "STOP with a stack");
+            s->r->res.root = s->stack[0];
+            return flatten(s);
+        }
+        if (op == 0x95) { /* FRAME */
+            uint64_t n;
+            if (frame_end)
+                return refuse(s, SS_EINVAL, s->p - 1, "FRAME in a FRAME");
+            if (s->len - s->p < 8)
+                return refuse(s, SS_ERANGE, s->p, "truncated FRAME");
+            n = le(s->d + s->p, 8);
+            s->p += 8;
+            if (n > s->len - s->p)
+                return refuse(s, SS_ERANGE, s->p, "FRAME past the end");
+            frame_end = s->p + (size_t)n;
+            continue;
+        }
+        if ((rc = step(s, op)) < 0)
+            return rc;
+        if (frame_end && s->p > frame_end)
+            return refuse(s, SS_ERANGE, s->p, "opcode across a FRAME's end");
+    }
+}
+
+int ss_mdread_decode(const void *data, size_t len, ss_mdread **out,
+                     ss_errinfo *err)
+{
+    dec s;
+    int rc;
+
+    *out = NULL;
+    memset(&s, 0, sizeof s);
+    s.d = data;
+    s.len = len;
+    s.err = err;
+    if (len >= UINT32_MAX)
+        return refuse(&s, SS_ERANGE, 0, "stream of 4 GiB or more");
+    if ((s.r = calloc(1, sizeof *s.r)) == NULL)
+        return SS_ENOMEM;
+    rc = run(&s);
+    if (rc == SS_ENOMEM)
+        ss_errinfo_set(err, rc, "mdread", NULL, (int64_t)s.p, NULL);
+    free(s.tmp);
+    free(s.segs);
+    free(s.stack);
+    free(s.marks);
+    free(s.memo);
+    free(s.ints);
+    if (rc < 0) {
+        ss_mdread_free(s.r);
+        return rc;
+    }
+    s.r->res.nodes = s.r->nodes;
+    s.r->res.kids = s.r->kids;
+    *out = s.r;
+    return 0;
+}
+
+const ss_md_result *ss_mdread_result(const ss_mdread *r)
+{
+    return &r->res;
+}
+
+void ss_mdread_free(ss_mdread *r)
+{
+    if (r == NULL)
+        return;
+    free(r->nodes);
+    free(r->kids);
+    free(r);
+}

@@ -1,0 +1,870 @@
+/* mdread.c - metadata_decode(): the fast path of the restricted .metadata
+ * reader (python/shardstate/checkpoint/_pickle/fastread.py).
+ *
+ * ss_mdread decodes the stream into a node table with the GIL released;
+ * this file walks the table once and makes shardstate's metadata classes
+ * directly (object.__new__ and a __dict__, as build.py's _Builder.new), with
+ * the checks of build.py and of the allowlist's stand-ins (allowlist.py).
+ *
+ * The fast path only ever answers with the Metadata the reference path
+ * (unpickler.py + build.py) would give, or None: "not recognised, ask the
+ * reference", which then decides, errors included. So anything unusual
+ * gives None rather than an error: a global outside the small set decoded
+ * here (the metadata classes, torch.Size, dtypes, layouts, memory formats),
+ * a state dict with a field the class does not know or a key twice, a dict
+ * whose built keys collide, a value shared with itself (a cycle), nesting
+ * past FAST_DEPTH_MAX, an int beyond int64, a string that is not UTF-8. Every
+ * node of the table is reachable from the root and every one the walk
+ * reaches is checked, so nothing in the stream escapes the allowlist.
+ *
+ * The context (ctx) comes from fastread.py, made for each call:
+ *   (classes, globals, tp_defaults, size_type, memory_formats)
+ * classes: the 8 metadata classes in CLS_* order; globals: {(module, name):
+ * (code, obj)}; tp_defaults: TensorProperties().__dict__; size_type:
+ * torch.Size, or None (sizes are tuples); memory_formats: the 3 memory
+ * formats _MEM_FORMAT_ENCODING 0..2 name. */
+#include "module.h"
+#include "ss_mdread.h"
+
+#include <string.h>
+
+/* Below this many bytes releasing the GIL costs more than it saves. */
+#define MD_NOGIL_MIN 65536
+/* Deeper values go to the reference (build.py refuses past 100). */
+#define FAST_DEPTH_MAX 64
+
+enum {
+    CLS_METADATA,
+    CLS_TENSOR,
+    CLS_PROPS,
+    CLS_CHUNK,
+    CLS_BYTES,
+    CLS_INDEX,
+    CLS_STORAGE_META,
+    CLS_STORAGE_INFO,
+    NCLS,
+    G_SIZE = NCLS,
+    G_DTYPE,
+    G_MEMFMT,
+    G_LAYOUT,
+    G_MEMENC
+};
+
+/* The field names of every class, one table; F_* index it. */
+#define FIELDS(X)                                                              \
+    X(F_SDM, "state_dict_metadata")                                            \
+    X(F_PLANNER, "planner_data")                                               \
+    X(F_STORAGE, "storage_data")                                               \
+    X(F_SMETA, "storage_meta")                                                 \
+    X(F_VERSION, "version")                                                    \
+    X(F_PROPERTIES, "properties")                                              \
+    X(F_SIZE, "size")                                                          \
+    X(F_CHUNKS, "chunks")                                                      \
+    X(F_DTYPE, "dtype")                                                        \
+    X(F_LAYOUT, "layout")                                                      \
+    X(F_REQGRAD, "requires_grad")                                              \
+    X(F_MEMFMT, "memory_format")                                               \
+    X(F_PIN, "pin_memory")                                                     \
+    X(F_OFFSETS, "offsets")                                                    \
+    X(F_SIZES, "sizes")                                                        \
+    X(F_FQN, "fqn")                                                            \
+    X(F_OFFSET, "offset")                                                      \
+    X(F_INDEX, "index")                                                        \
+    X(F_CKPT, "checkpoint_id")                                                 \
+    X(F_SAVE, "save_id")                                                       \
+    X(F_LOAD, "load_id")                                                       \
+    X(F_MODULES, "modules")                                                    \
+    X(F_RELPATH, "relative_path")                                              \
+    X(F_LENGTH, "length")                                                      \
+    X(F_TD, "transform_descriptors")                                           \
+    X(F_CRC, "shardstate_crc32")
+
+enum {
+#define X(id, s) id,
+    FIELDS(X)
+#undef X
+        NFIELDS
+};
+
+static const char *const field_names[NFIELDS] = {
+#define X(id, s) s,
+    FIELDS(X)
+#undef X
+};
+
+/* Each class's known fields (build.py's _F_*), in no particular order. */
+static const int8_t known[NCLS][6] = {
+    /* -1 ends a row */
+    [CLS_METADATA] = {F_SDM, F_PLANNER, F_STORAGE, F_SMETA, F_VERSION, -1},
+    [CLS_TENSOR] = {F_PROPERTIES, F_SIZE, F_CHUNKS, -1},
+    [CLS_PROPS] = {F_DTYPE, F_LAYOUT, F_REQGRAD, F_MEMFMT, F_PIN, -1},
+    [CLS_CHUNK] = {F_OFFSETS, F_SIZES, -1},
+    [CLS_BYTES] = {-1},
+    [CLS_INDEX] = {F_FQN, F_OFFSET, F_INDEX, -1},
+    [CLS_STORAGE_META] = {F_CKPT, F_SAVE, F_LOAD, F_MODULES, -1},
+    [CLS_STORAGE_INFO] = {F_RELPATH, F_OFFSET, F_LENGTH, F_TD, F_CRC, -1},
+};
+
+typedef struct bld {
+    const ss_md_result *r;
+    const char *data;
+    PyObject **cache; /* per share slot: the built value */
+    uint8_t *active;  /* per share slot: being built (a cycle if met) */
+    PyObject *classes[NCLS];
+    PyObject *globals, *tp_defaults, *size_type, *memfmt[3];
+    PyObject *names[NFIELDS];
+    PyObject *empty;
+    int depth;
+} bld;
+
+/* A state dict read into slots: the value node of each field present and
+ * the fields in the order they came. */
+typedef struct fields {
+    uint32_t node[NFIELDS];
+    uint8_t has[NFIELDS];
+    int8_t order[6];
+    int n;
+} fields;
+
+static const ss_md_node *N(const bld *b, uint32_t i)
+{
+    return &b->r->nodes[i];
+}
+
+static const uint32_t *kids(const bld *b, const ss_md_node *n)
+{
+    return b->r->kids + n->a;
+}
+
+static int64_t ival(const ss_md_node *n)
+{
+    return (int64_t)((uint64_t)n->b << 32 | n->a);
+}
+
+static PyObject *value(bld *b, uint32_t i);
+
+static PyObject *str_obj(const bld *b, const ss_md_node *n)
+{
+    return PyUnicode_DecodeUTF8(b->data + n->a, (Py_ssize_t)n->b,
+                                "surrogatepass");
+}
+
+static int str_is(const bld *b, const ss_md_node *n, const char *s)
+{
+    size_t len = strlen(s);
+    return n->kind == SS_MD_STR && n->b == len &&
+           memcmp(b->data + n->a, s, len) == 0;
+}
+
+/* A GLOBAL node's (code, obj) from the context, borrowed; -1: not ours. */
+static int global(bld *b, uint32_t i, PyObject **obj)
+{
+    const ss_md_node *n = N(b, i);
+    PyObject *key, *mod, *name, *hit = NULL;
+    long code;
+
+    if (n->kind != SS_MD_GLOBAL)
+        return -1;
+    if (n->share && b->cache[n->share] != NULL) {
+        hit = b->cache[n->share];
+    } else {
+        mod = str_obj(b, N(b, n->a));
+        name = mod ? str_obj(b, N(b, n->b)) : NULL;
+        key = name ? PyTuple_Pack(2, mod, name) : NULL;
+        Py_XDECREF(mod);
+        Py_XDECREF(name);
+        if (key == NULL)
+            return -1;
+        hit = PyDict_GetItemWithError(b->globals, key);
+        Py_DECREF(key);
+        if (hit == NULL || !PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2)
+            return -1;
+        if (n->share)
+            b->cache[n->share] = Py_NewRef(hit);
+    }
+    code = PyLong_AsLong(PyTuple_GET_ITEM(hit, 0));
+    *obj = PyTuple_GET_ITEM(hit, 1);
+    return code < 0 || code > G_MEMENC ? -1 : (int)code;
+}
+
+/* The class code of a NEWOBJ node made with no arguments; -1 otherwise. */
+static int obj_class(bld *b, uint32_t i)
+{
+    const ss_md_node *n = N(b, i);
+    PyObject *unused;
+    int code;
+    if (n->kind != SS_MD_NEWOBJ || N(b, n->b)->b != 0)
+        return -1;
+    code = global(b, n->a, &unused);
+    return code < NCLS ? code : -1;
+}
+
+/* A REDUCE node of an allowlisted callable without BUILD: its code and
+ * args (a tuple node); -1 otherwise. */
+static int call_of(bld *b, uint32_t i, const ss_md_node **args, PyObject **obj)
+{
+    const ss_md_node *n = N(b, i);
+    int code;
+    if (n->kind != SS_MD_REDUCE || n->c)
+        return -1;
+    code = global(b, n->a, obj);
+    if (code < G_SIZE)
+        return -1;
+    *args = N(b, n->b);
+    return code;
+}
+
+/* torch.Size(...) node: its dims (int nodes); -1 otherwise. */
+static int size_dims(bld *b, uint32_t i, const uint32_t **dims, uint32_t *nd)
+{
+    const ss_md_node *args, *t;
+    PyObject *unused;
+    if (call_of(b, i, &args, &unused) != G_SIZE)
+        return -1;
+    if (args->b == 0) {
+        *dims = NULL;
+        *nd = 0;
+        return 0;
+    }
+    t = N(b, kids(b, args)[0]);
+    if (args->b != 1 || t->kind != SS_MD_TUPLE)
+        return -1;
+    *dims = kids(b, t);
+    *nd = t->b;
+    for (uint32_t k = 0; k < t->b; k++)
+        if (N(b, (*dims)[k])->kind != SS_MD_INT)
+            return -1;
+    return 0;
+}
+
+/* torch.Size(dims) as torch makes it (THPSize_pynew: tuple.__new__ of the
+ * subtype, which copies the items into the subtype's tp_alloc), without
+ * the intermediate tuple; a plain tuple without torch. */
+static PyObject *size_obj(bld *b, uint32_t i)
+{
+    const uint32_t *dims;
+    uint32_t nd;
+    PyTypeObject *tp = (PyTypeObject *)b->size_type;
+    PyObject *t;
+    if (size_dims(b, i, &dims, &nd) < 0)
+        return NULL;
+    t = b->size_type == Py_None ? PyTuple_New(nd) : tp->tp_alloc(tp, nd);
+    if (t == NULL)
+        return NULL;
+    for (uint32_t k = 0; k < nd; k++) {
+        PyObject *v = PyLong_FromLongLong(ival(N(b, dims[k])));
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, v);
+    }
+    return t;
+}
+
+/* A state (None, absent or a dict of str keys) into slots: -1 for a key
+ * the class does not know, a key twice or any other state. */
+static int read_state(bld *b, uint32_t state1, int cls, fields *f)
+{
+    const ss_md_node *d;
+    const uint32_t *k;
+    memset(f->has, 0, sizeof f->has);
+    f->n = 0;
+    if (state1 == 0 || N(b, state1 - 1)->kind == SS_MD_NONE)
+        return 0;
+    d = N(b, state1 - 1);
+    if (d->kind != SS_MD_DICT)
+        return -1;
+    k = kids(b, d);
+    for (uint32_t p = 0; p < d->b; p++) {
+        const ss_md_node *key = N(b, k[2 * p]);
+        int hit = -1;
+        for (int j = 0; j < 6 && known[cls][j] >= 0; j++)
+            if (str_is(b, key, field_names[known[cls][j]])) {
+                hit = known[cls][j];
+                break;
+            }
+        if (hit < 0 || f->has[hit] || f->n == 6)
+            return -1;
+        f->has[hit] = 1;
+        f->node[hit] = k[2 * p + 1];
+        f->order[f->n++] = (int8_t)hit;
+    }
+    return 0;
+}
+
+static const ss_md_node *field(const bld *b, const fields *f, int id)
+{
+    return f->has[id] ? N(b, f->node[id]) : NULL;
+}
+
+/* object.__new__(cls) with the items of d set as attributes (build.py's
+ * _Builder.new: o.__dict__.update(d); fastread.py admits only classes
+ * without a data descriptor named as a field, where the two agree); steals
+ * d. */
+static PyObject *new_obj(bld *b, int cls, PyObject *d)
+{
+    PyTypeObject *tp = (PyTypeObject *)b->classes[cls];
+    PyObject *o = NULL, *k, *v;
+    Py_ssize_t pos = 0;
+    if (d == NULL)
+        return NULL;
+    o = PyBaseObject_Type.tp_new(tp, b->empty, NULL);
+    while (o != NULL && PyDict_Next(d, &pos, &k, &v))
+        if (PyObject_GenericSetAttr(o, k, v) < 0)
+            Py_CLEAR(o);
+    Py_DECREF(d);
+    return o;
+}
+
+/* object.__new__(cls) with the fields in their order: each value from vals
+ * (a new reference, or NULL: value(node)). Steals the references in vals.
+ * Attributes are set one by one, so the instance keeps CPython's compact
+ * per-instance values rather than a dict of its own. */
+static PyObject *make(bld *b, int cls, const fields *f, PyObject **vals)
+{
+    PyTypeObject *tp = (PyTypeObject *)b->classes[cls];
+    PyObject *o = PyBaseObject_Type.tp_new(tp, b->empty, NULL);
+    for (int j = 0; j < f->n; j++) {
+        int id = f->order[j];
+        PyObject *v = vals[id];
+        vals[id] = NULL;
+        if (o != NULL && v == NULL)
+            v = value(b, f->node[id]);
+        if (o != NULL &&
+            (v == NULL || PyObject_GenericSetAttr(o, b->names[id], v) < 0))
+            Py_CLEAR(o);
+        Py_XDECREF(v);
+    }
+    for (int id = 0; id < NFIELDS; id++)
+        Py_CLEAR(vals[id]);
+    return o;
+}
+
+/* The fields as a dict, for new_obj (see make). */
+static PyObject *state_dict(bld *b, const fields *f, PyObject **vals)
+{
+    PyObject *d = PyDict_New();
+    int ok = d != NULL;
+    for (int j = 0; j < f->n; j++) {
+        int id = f->order[j];
+        PyObject *v = vals[id];
+        vals[id] = NULL;
+        if (ok && v == NULL)
+            v = value(b, f->node[id]);
+        ok = ok && v != NULL && PyDict_SetItem(d, b->names[id], v) == 0;
+        Py_XDECREF(v);
+    }
+    for (int id = 0; id < NFIELDS; id++)
+        Py_CLEAR(vals[id]);
+    if (!ok)
+        Py_CLEAR(d);
+    return d;
+}
+
+static int is(const ss_md_node *n, int kind)
+{
+    return n != NULL && n->kind == kind;
+}
+
+static int str_or_none(const ss_md_node *n)
+{
+    return n == NULL || n->kind == SS_MD_STR || n->kind == SS_MD_NONE;
+}
+
+static PyObject *build_metadata(bld *b, const fields *f)
+{
+    PyObject *vals[NFIELDS] = {0}, *out;
+    const ss_md_node *sdm = field(b, f, F_SDM), *sm = field(b, f, F_SMETA);
+    const uint32_t *k;
+
+    if (!is(sdm, SS_MD_DICT) || !str_or_none(field(b, f, F_VERSION)))
+        return NULL;
+    if (sm != NULL && sm->kind != SS_MD_NONE &&
+        obj_class(b, f->node[F_SMETA]) != CLS_STORAGE_META)
+        return NULL;
+    if ((out = PyDict_New()) == NULL)
+        return NULL;
+    vals[F_SDM] = out;
+    k = kids(b, sdm);
+    for (uint32_t p = 0; p < sdm->b; p++) {
+        int cls = obj_class(b, k[2 * p + 1]);
+        PyObject *key, *v;
+        Py_ssize_t before = PyDict_GET_SIZE(out);
+        int ok;
+        if (N(b, k[2 * p])->kind != SS_MD_STR ||
+            (cls != CLS_TENSOR && cls != CLS_BYTES))
+            goto fail;
+        key = value(b, k[2 * p]);
+        v = key ? value(b, k[2 * p + 1]) : NULL;
+        ok = v != NULL && PyDict_SetItem(out, key, v) == 0 &&
+             PyDict_GET_SIZE(out) > before;
+        Py_XDECREF(key);
+        Py_XDECREF(v);
+        if (!ok)
+            goto fail;
+    }
+    return make(b, CLS_METADATA, f, vals);
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *build_chunk(bld *b, const fields *f)
+{
+    const uint32_t *d1, *d2;
+    uint32_t n1, n2;
+    if (!f->has[F_OFFSETS] || !f->has[F_SIZES] ||
+        size_dims(b, f->node[F_OFFSETS], &d1, &n1) < 0 ||
+        size_dims(b, f->node[F_SIZES], &d2, &n2) < 0 || n1 != n2)
+        return NULL;
+    PyObject *vals[NFIELDS] = {0};
+    vals[F_OFFSETS] = size_obj(b, f->node[F_OFFSETS]);
+    vals[F_SIZES] = vals[F_OFFSETS] ? size_obj(b, f->node[F_SIZES]) : NULL;
+    if (vals[F_SIZES] == NULL) {
+        Py_XDECREF(vals[F_OFFSETS]);
+        return NULL;
+    }
+    return make(b, CLS_CHUNK, f, vals);
+}
+
+/* Every chunk of a tensor inside it (build.py's _build_TensorStorageMetadata).
+ */
+static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
+                         uint32_t nd)
+{
+    const uint32_t *ck = kids(b, list);
+    for (uint32_t c = 0; c < list->b; c++) {
+        const ss_md_node *cn = N(b, ck[c]);
+        const uint32_t *off, *len;
+        uint32_t n1, n2;
+        fields f;
+        if (read_state(b, cn->c, CLS_CHUNK, &f) < 0 || !f.has[F_OFFSETS] ||
+            !f.has[F_SIZES] || size_dims(b, f.node[F_OFFSETS], &off, &n1) < 0 ||
+            size_dims(b, f.node[F_SIZES], &len, &n2) < 0 || n1 != nd ||
+            n2 != nd)
+            return -1;
+        for (uint32_t k = 0; k < nd; k++) {
+            int64_t o = ival(N(b, off[k])), n = ival(N(b, len[k]));
+            int64_t s = ival(N(b, size[k]));
+            if (o < 0 || n < 0)
+                return -1;
+            if (n != 0 && (s < 0 || (uint64_t)o + (uint64_t)n > (uint64_t)s))
+                return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *build_tensor(bld *b, const fields *f)
+{
+    const ss_md_node *chunks = field(b, f, F_CHUNKS);
+    const uint32_t *size;
+    uint32_t nd;
+    if (!f->has[F_PROPERTIES] || !f->has[F_SIZE] || !is(chunks, SS_MD_LIST) ||
+        obj_class(b, f->node[F_PROPERTIES]) != CLS_PROPS ||
+        size_dims(b, f->node[F_SIZE], &size, &nd) < 0)
+        return NULL;
+    for (uint32_t c = 0; c < chunks->b; c++)
+        if (obj_class(b, kids(b, chunks)[c]) != CLS_CHUNK)
+            return NULL;
+    if (chunks_inside(b, chunks, size, nd) < 0)
+        return NULL;
+    PyObject *vals[NFIELDS] = {0};
+    vals[F_SIZE] = size_obj(b, f->node[F_SIZE]);
+    if (vals[F_SIZE] == NULL)
+        return NULL;
+    return make(b, CLS_TENSOR, f, vals);
+}
+
+/* One TensorProperties field: a new reference, or NULL (not ours). */
+static PyObject *prop(bld *b, int id, uint32_t i)
+{
+    const ss_md_node *n = N(b, i), *args;
+    PyObject *obj = NULL;
+    int code;
+    switch (id) {
+    case F_REQGRAD:
+    case F_PIN:
+        if (n->kind != SS_MD_TRUE && n->kind != SS_MD_FALSE)
+            return NULL;
+        return Py_NewRef(n->kind == SS_MD_TRUE ? Py_True : Py_False);
+    case F_DTYPE:
+        return global(b, i, &obj) == G_DTYPE ? Py_NewRef(obj) : NULL;
+    case F_LAYOUT: {
+        PyObject *name, *hit;
+        if (call_of(b, i, &args, &obj) != G_LAYOUT || args->b != 1 ||
+            !PyDict_Check(obj))
+            return NULL;
+        n = N(b, kids(b, args)[0]);
+        if (n->kind != SS_MD_STR || (name = str_obj(b, n)) == NULL)
+            return NULL;
+        hit = PyDict_GetItemWithError(obj, name);
+        Py_DECREF(name);
+        return hit ? Py_NewRef(hit) : NULL;
+    }
+    case F_MEMFMT:
+        code = n->kind == SS_MD_GLOBAL ? global(b, i, &obj)
+                                       : call_of(b, i, &args, &obj);
+        if (code == G_MEMFMT)
+            return Py_NewRef(obj);
+        if (code != G_MEMENC || args->b != 1)
+            return NULL;
+        n = N(b, kids(b, args)[0]);
+        if (n->kind != SS_MD_INT || ival(n) < 0 || ival(n) > 2 ||
+            b->memfmt[ival(n)] == Py_None)
+            return NULL;
+        return Py_NewRef(b->memfmt[ival(n)]);
+    default:
+        return NULL;
+    }
+}
+
+static PyObject *build_props(bld *b, uint32_t state1)
+{
+    static const int tuple_order[5] = {F_DTYPE, F_LAYOUT, F_REQGRAD, F_MEMFMT,
+                                       F_PIN};
+    const ss_md_node *st = state1 ? N(b, state1 - 1) : NULL;
+    PyObject *d;
+    fields f;
+
+    if (is(st, SS_MD_TUPLE)) {
+        if (st->b != 5)
+            return NULL;
+        f.n = 5;
+        memset(f.has, 0, sizeof f.has);
+        for (int j = 0; j < 5; j++) {
+            f.has[tuple_order[j]] = 1;
+            f.node[tuple_order[j]] = kids(b, st)[j];
+            f.order[j] = (int8_t)tuple_order[j];
+        }
+    } else if (read_state(b, state1, CLS_PROPS, &f) < 0) {
+        return NULL;
+    }
+    if ((d = PyDict_Copy(b->tp_defaults)) == NULL)
+        return NULL;
+    for (int j = 0; j < f.n; j++) {
+        int id = f.order[j];
+        PyObject *v = prop(b, id, f.node[id]);
+        int rc = v ? PyDict_SetItem(d, b->names[id], v) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    return new_obj(b, CLS_PROPS, d);
+}
+
+static PyObject *build_index(bld *b, const fields *f)
+{
+    const ss_md_node *off = field(b, f, F_OFFSET), *idx = field(b, f, F_INDEX);
+    PyObject *vals[NFIELDS] = {0};
+    if (!is(field(b, f, F_FQN), SS_MD_STR) ||
+        !(idx == NULL || idx->kind == SS_MD_INT || idx->kind == SS_MD_NONE))
+        return NULL;
+    if (off != NULL && off->kind != SS_MD_NONE &&
+        (vals[F_OFFSET] = size_obj(b, f->node[F_OFFSET])) == NULL)
+        return NULL;
+    return make(b, CLS_INDEX, f, vals);
+}
+
+static PyObject *build_storage_meta(bld *b, const fields *f)
+{
+    const ss_md_node *mods = field(b, f, F_MODULES);
+    PyObject *d;
+    PyObject *vals[NFIELDS] = {0};
+    if (!str_or_none(field(b, f, F_CKPT)) ||
+        !str_or_none(field(b, f, F_SAVE)) || !str_or_none(field(b, f, F_LOAD)))
+        return NULL;
+    if (mods != NULL) {
+        if (mods->kind != SS_MD_LIST)
+            return NULL;
+        for (uint32_t k = 0; k < mods->b; k++)
+            if (N(b, kids(b, mods)[k])->kind != SS_MD_STR)
+                return NULL;
+    }
+    d = state_dict(b, f, vals);
+    if (d != NULL && mods == NULL) {
+        PyObject *empty = PyList_New(0);
+        if (empty == NULL || PyDict_SetItem(d, b->names[F_MODULES], empty) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(empty);
+    }
+    return new_obj(b, CLS_STORAGE_META, d);
+}
+
+static PyObject *build_storage_info(bld *b, const fields *f)
+{
+    const ss_md_node *td = field(b, f, F_TD), *crc = field(b, f, F_CRC);
+    const ss_md_node *off = field(b, f, F_OFFSET), *len = field(b, f, F_LENGTH);
+    PyObject *vals[NFIELDS] = {0};
+    if (!is(field(b, f, F_RELPATH), SS_MD_STR) || !is(off, SS_MD_INT) ||
+        !is(len, SS_MD_INT) || ival(off) < 0 || ival(len) < 0)
+        return NULL;
+    if (td != NULL && td->kind != SS_MD_NONE) {
+        if (td->kind != SS_MD_LIST && td->kind != SS_MD_TUPLE)
+            return NULL;
+        for (uint32_t k = 0; k < td->b; k++)
+            if (N(b, kids(b, td)[k])->kind != SS_MD_STR)
+                return NULL;
+    }
+    if (crc != NULL && crc->kind != SS_MD_NONE &&
+        (crc->kind != SS_MD_INT || ival(crc) < 0 ||
+         ival(crc) > (int64_t)UINT32_MAX))
+        return NULL;
+    return make(b, CLS_STORAGE_INFO, f, vals);
+}
+
+static PyObject *build_class(bld *b, int cls, const ss_md_node *n)
+{
+    fields f;
+    if (cls == CLS_PROPS)
+        return build_props(b, n->c);
+    if (read_state(b, n->c, cls, &f) < 0)
+        return NULL;
+    switch (cls) {
+    case CLS_METADATA:
+        return build_metadata(b, &f);
+    case CLS_TENSOR:
+        return build_tensor(b, &f);
+    case CLS_CHUNK:
+        return build_chunk(b, &f);
+    case CLS_BYTES:
+        return f.n == 0 ? PyObject_CallNoArgs(b->classes[CLS_BYTES]) : NULL;
+    case CLS_INDEX:
+        return build_index(b, &f);
+    case CLS_STORAGE_META:
+        return build_storage_meta(b, &f);
+    case CLS_STORAGE_INFO:
+        return build_storage_info(b, &f);
+    default:
+        return NULL;
+    }
+}
+
+static PyObject *container(bld *b, const ss_md_node *n)
+{
+    const uint32_t *k = kids(b, n);
+    PyObject *out, *v, *key;
+    if (n->kind == SS_MD_TUPLE || n->kind == SS_MD_LIST) {
+        int tuple = n->kind == SS_MD_TUPLE;
+        out = tuple ? PyTuple_New(n->b) : PyList_New(n->b);
+        for (uint32_t j = 0; out != NULL && j < n->b; j++) {
+            if ((v = value(b, k[j])) == NULL)
+                Py_CLEAR(out);
+            else if (tuple)
+                PyTuple_SET_ITEM(out, j, v);
+            else
+                PyList_SET_ITEM(out, j, v);
+        }
+        return out;
+    }
+    out = PyDict_New();
+    for (uint32_t p = 0; out != NULL && p < n->b; p++) {
+        Py_ssize_t before = PyDict_GET_SIZE(out);
+        key = value(b, k[2 * p]);
+        v = key ? value(b, k[2 * p + 1]) : NULL;
+        /* a key met twice: the reference merges the unbuilt keys first */
+        if (v == NULL || PyDict_SetItem(out, key, v) < 0 ||
+            PyDict_GET_SIZE(out) == before)
+            Py_CLEAR(out);
+        Py_XDECREF(key);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyObject *value_(bld *b, uint32_t i)
+{
+    const ss_md_node *n = N(b, i), *args;
+    PyObject *obj;
+    int code;
+    switch (n->kind) {
+    case SS_MD_NONE:
+        Py_RETURN_NONE;
+    case SS_MD_TRUE:
+        Py_RETURN_TRUE;
+    case SS_MD_FALSE:
+        Py_RETURN_FALSE;
+    case SS_MD_INT:
+        return PyLong_FromLongLong(ival(n));
+    case SS_MD_FLOAT: {
+        uint64_t u = (uint64_t)n->b << 32 | n->a;
+        double d;
+        memcpy(&d, &u, sizeof d);
+        return PyFloat_FromDouble(d);
+    }
+    case SS_MD_STR:
+        return str_obj(b, n);
+    case SS_MD_BYTES:
+        return PyBytes_FromStringAndSize(b->data + n->a, (Py_ssize_t)n->b);
+    case SS_MD_TUPLE:
+    case SS_MD_LIST:
+    case SS_MD_DICT:
+        return container(b, n);
+    case SS_MD_GLOBAL:
+        code = global(b, i, &obj);
+        return code == G_DTYPE || code == G_MEMFMT ? Py_NewRef(obj) : NULL;
+    case SS_MD_NEWOBJ:
+        code = obj_class(b, i);
+        return code < 0 ? NULL : build_class(b, code, n);
+    case SS_MD_REDUCE:
+        code = call_of(b, i, &args, &obj);
+        if (code == G_SIZE)
+            return size_obj(b, i);
+        return code == G_LAYOUT ? prop(b, F_LAYOUT, i) : NULL;
+    default:
+        return NULL;
+    }
+}
+
+/* The value of node i (a new reference), built once if shared; NULL: not
+ * recognised (an exception may be set; the caller clears it). */
+static PyObject *value(bld *b, uint32_t i)
+{
+    const ss_md_node *n = N(b, i);
+    PyObject *out;
+    uint32_t s = n->share;
+    /* scalars need no cache; a GLOBAL's slot holds its context entry */
+    if (n->kind <= SS_MD_FLOAT || n->kind == SS_MD_GLOBAL)
+        return value_(b, i);
+    if (s) {
+        if (b->cache[s] != NULL)
+            return Py_NewRef(b->cache[s]);
+        if (b->active[s])
+            return NULL; /* a value contains itself */
+        b->active[s] = 1;
+    }
+    if (b->depth >= FAST_DEPTH_MAX)
+        return NULL;
+    b->depth++;
+    out = value_(b, i);
+    b->depth--;
+    if (s) {
+        b->active[s] = 0;
+        if (out != NULL)
+            b->cache[s] = Py_NewRef(out);
+    }
+    return out;
+}
+
+static int unpack_ctx(bld *b, PyObject *ctx)
+{
+    PyObject *cls, *mf;
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 5)
+        goto bad;
+    cls = PyTuple_GET_ITEM(ctx, 0);
+    b->globals = PyTuple_GET_ITEM(ctx, 1);
+    b->tp_defaults = PyTuple_GET_ITEM(ctx, 2);
+    b->size_type = PyTuple_GET_ITEM(ctx, 3);
+    mf = PyTuple_GET_ITEM(ctx, 4);
+    if (!PyTuple_Check(cls) || PyTuple_GET_SIZE(cls) != NCLS ||
+        !PyDict_Check(b->globals) || !PyDict_Check(b->tp_defaults) ||
+        !PyTuple_Check(mf) || PyTuple_GET_SIZE(mf) != 3)
+        goto bad;
+    for (int j = 0; j < NCLS; j++) {
+        b->classes[j] = PyTuple_GET_ITEM(cls, j);
+        if (!PyType_Check(b->classes[j]))
+            goto bad;
+    }
+    for (int j = 0; j < 3; j++)
+        b->memfmt[j] = PyTuple_GET_ITEM(mf, j);
+    /* size_type's instances are tuples made by tp_alloc (size_obj) */
+    if (b->size_type != Py_None &&
+        (!PyType_Check(b->size_type) ||
+         !PyType_IsSubtype((PyTypeObject *)b->size_type, &PyTuple_Type) ||
+         ((PyTypeObject *)b->size_type)->tp_itemsize != sizeof(PyObject *)))
+        goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_TypeError, "metadata_decode: malformed context");
+    return -1;
+}
+
+static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx)
+{
+    bld b;
+    PyObject *out = NULL;
+    memset(&b, 0, sizeof b);
+    b.r = r;
+    b.data = data;
+    if (unpack_ctx(&b, ctx) < 0)
+        return NULL;
+    b.cache = PyMem_Calloc((size_t)r->shared + 1, sizeof *b.cache);
+    b.active = PyMem_Calloc((size_t)r->shared + 1, 1);
+    b.empty = PyTuple_New(0);
+    if (b.cache == NULL || b.active == NULL || b.empty == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (int j = 0; j < NFIELDS; j++)
+        if ((b.names[j] = PyUnicode_InternFromString(field_names[j])) == NULL)
+            goto out;
+    if (obj_class(&b, r->root) == CLS_METADATA)
+        out = value(&b, r->root);
+    if (out == NULL) {
+        PyErr_Clear(); /* not recognised: the reference decides */
+        out = Py_NewRef(Py_None);
+    }
+out:
+    if (b.cache != NULL)
+        for (uint32_t s = 0; s <= r->shared; s++)
+            Py_XDECREF(b.cache[s]);
+    PyMem_Free(b.cache);
+    PyMem_Free(b.active);
+    Py_XDECREF(b.empty);
+    for (int j = 0; j < NFIELDS; j++)
+        Py_XDECREF(b.names[j]);
+    return out;
+}
+
+static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
+                                    Py_ssize_t nargs)
+{
+    ss_mdread *r = NULL;
+    ss_errinfo err;
+    Py_buffer view;
+    PyObject *out;
+    int rc;
+
+    (void)m;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError,
+                        "metadata_decode(data, ctx) takes 2 arguments");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    ss_errinfo_clear(&err);
+    if (view.len >= MD_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+            rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+    }
+    if (rc < 0)
+        out = Py_NewRef(Py_None); /* not decoded: the reference decides */
+    else
+        out = build(ss_mdread_result(r), view.buf, args[1]);
+    ss_mdread_free(r);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef mdread_methods[] = {
+    {"metadata_decode", (PyCFunction)(void (*)(void))py_metadata_decode,
+     METH_FASTCALL,
+     "metadata_decode(data, ctx, /)\n--\n\nThe fast path of the restricted "
+     ".metadata reader: the Metadata the reference reader would make from "
+     "data, or None where it does not recognise the stream (the reference "
+     "then decides). ctx: see csrc/py/mdread.c."},
+    {NULL, NULL, 0, NULL},
+};
+
+int ss_py_mdread_init(PyObject *m, ss_state *st)
+{
+    (void)st;
+    return PyModule_AddFunctions(m, mdread_methods);
+}

@@ -1,0 +1,107 @@
+"""The restricted ``.metadata`` reader's fast path: ``_core.metadata_decode``.
+
+``_fast(data)`` is the Metadata the reference path (``unpickler`` +
+``build``) would make from ``data``, made in one pass by C
+(csrc/core/ss_mdread.c decodes the stream with the GIL released,
+csrc/py/mdread.c makes the objects), or None where the fast path does not
+recognise the stream: anything but the globals, classes and forms torch's
+pickle of a Metadata uses, or anything the reference might refuse. The
+caller then runs the reference, which decides (errors included), so the fast
+path never answers differently from it.
+
+The context handed to C maps the allowlisted names the fast path decodes
+(``allowlist._METADATA_GLOBALS``' metadata classes, torch.Size, dtypes,
+layouts, memory formats) to codes and the objects ``build`` would make for
+them; it is made once per torch state (loaded or not), with
+TensorProperties' defaults taken at each call (the default dtype may change).
+
+No torch import; thread-safe.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ... import _core
+from ..._util import loaded_torch
+from .. import metadata as _md
+from . import build as _b
+from .names import _DTYPE_NAMES, _LAYOUT_NAMES, _LEGACY_MOD, _MD_MOD, _MEMFMT_NAMES, _torch_module
+
+# The class order of csrc/py/mdread.c's CLS_*, then its other codes.
+_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
+_G_SIZE, _G_DTYPE, _G_MEMFMT, _G_LAYOUT, _G_MEMENC = range(len(_CLASSES), len(_CLASSES) + 5)
+
+_FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, _b._F_INDEX,
+           _b._F_STORAGE_META, _b._F_STORAGE_INFO)
+
+_cache: dict[bool, tuple[Any, ...] | None] = {}
+
+
+def _plain_attrs(cls: type, names: frozenset[str]) -> bool:
+    """Whether setting these attributes (the C path) is ``o.__dict__.update``
+    (build.py): instances have a __dict__ and no data descriptor takes a name."""
+    if not cls.__dictoffset__:
+        return False
+    return not any(hasattr(type(inspect.getattr_static(cls, n, None)), "__set__")
+                   or hasattr(type(inspect.getattr_static(cls, n, None)), "__delete__")
+                   for n in names)
+
+
+def _torch_obj(name: str, torch: Any) -> Any:
+    """What build.py's torch_obj makes of a name; None where it would fail."""
+    if torch is None:
+        return _md.TorchName(name)
+    try:
+        return _md.TorchName(name).resolve()
+    except AttributeError:
+        return None
+
+
+def _context(torch: Any) -> tuple[Any, ...] | None:
+    """The context for C, or None where the fast path cannot serve."""
+    key = torch is not None
+    if key in _cache:
+        return _cache[key]
+    classes = tuple(getattr(_md, n) for n in _CLASSES)
+    if not all(_plain_attrs(c, f.known) for c, f in zip(classes, _FIELDS)):
+        _cache[key] = None
+        return None
+    g: dict[tuple[str, str], tuple[int, Any]] = {
+        (_torch_module(n), n): (i, None) for i, n in enumerate(_CLASSES)
+    }
+    g[(_LEGACY_MOD, "TensorProperties")] = (_CLASSES.index("TensorProperties"), None)
+    g[("torch", "Size")] = (_G_SIZE, None)
+    for n in _DTYPE_NAMES:
+        obj = _torch_obj(f"torch.{n}", torch)
+        if obj is not None:
+            g[("torch", n)] = (_G_DTYPE, obj)
+    for n in _MEMFMT_NAMES:
+        obj = _torch_obj(n, torch)
+        if obj is not None:
+            g[("torch", n.removeprefix("torch."))] = (_G_MEMFMT, obj)
+            g[("torch._utils", n)] = (_G_MEMFMT, obj)
+    layouts = {n: obj for n in _LAYOUT_NAMES if (obj := _torch_obj(n, torch)) is not None}
+    g[("torch.serialization", "_get_layout")] = (_G_LAYOUT, layouts)
+    g[(_MD_MOD, "_MEM_FORMAT_ENCODING")] = (_G_MEMENC, None)
+    g[(_LEGACY_MOD, "MEM_FORMAT_ENCODING")] = (_G_MEMENC, None)
+    memfmt = tuple(_torch_obj(n, torch) for n in (
+        "torch.contiguous_format", "torch.channels_last", "torch.preserve_format"))
+    size_type = torch.Size if torch is not None else None
+    got = _cache[key] = (classes, g, size_type, memfmt)
+    return got
+
+
+def _fast(data: bytes) -> Any:
+    """The Metadata, or None: not recognised (the reference decides)."""
+    ctx = _context(loaded_torch())
+    if ctx is None:
+        return None
+    classes, g, size_type, memfmt = ctx
+    try:
+        defaults = dict(_md.TensorProperties().__dict__)
+    except Exception:  # noqa: BLE001 - the reference builds these itself
+        return None
+    return _core.metadata_decode(data, (classes, g, defaults, size_type, memfmt))

@@ -1,0 +1,278 @@
+/* test_mdread.c - ss_mdread_decode: the node table of streams CPython's
+ * pickler writes (protocols 3-5), containers filled in several batches,
+ * ints at every width, the memo's share slots; refusal of every form outside
+ * the decoded set and of every bound (memo order, frames, lengths, stack);
+ * and no byte read past the data at any truncation (ASan). */
+#include "ss_mdread.h"
+#include "ss_test.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Decode a copy in an exactly sized heap block, so ASan sees any overread.
+ * The copy must outlive the result: *keep holds it (free after). */
+static int dec(const char *s, size_t n, ss_mdread **r, char **keep)
+{
+    char *buf = malloc(n ? n : 1);
+    ss_mdread *out = NULL;
+    int rc;
+    memcpy(buf, s, n);
+    rc = ss_mdread_decode(buf, n, &out, NULL);
+    if (r != NULL && keep != NULL) {
+        *r = out;
+        *keep = buf;
+    } else {
+        ss_mdread_free(out);
+        free(buf);
+    }
+    return rc;
+}
+
+#define S(lit) (lit), (sizeof(lit) - 1)
+
+static const ss_md_node *node(const ss_md_result *res, uint32_t i)
+{
+    return &res->nodes[i];
+}
+
+static int64_t ival(const ss_md_node *n)
+{
+    return (int64_t)((uint64_t)n->b << 32 | n->a);
+}
+
+static void test_decodes_a_dict(void)
+{
+    /* pickle.dumps({'a': [1, 2.0, 'x']}, protocol=4) */
+    static const char p4[] =
+        "\x80\x04\x95\x1a\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01"
+        "a\x94]\x94(K\x01G@\x00\x00\x00\x00\x00\x00\x00\x8c\x01x\x94"
+        "es.";
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(S(p4), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *d = node(res, res->root), *k, *l;
+    CHECK_EQ_INT(res->proto, 4);
+    CHECK_EQ_INT(d->kind, SS_MD_DICT);
+    CHECK_EQ_INT(d->b, 1);
+    k = node(res, res->kids[d->a]);
+    l = node(res, res->kids[d->a + 1]);
+    CHECK_EQ_INT(k->kind, SS_MD_STR);
+    CHECK(k->b == 1 && buf[k->a] == 'a');
+    CHECK_EQ_INT(l->kind, SS_MD_LIST);
+    CHECK_EQ_INT(l->b, 3);
+    CHECK_EQ_INT(ival(node(res, res->kids[l->a])), 1);
+    CHECK_EQ_INT(node(res, res->kids[l->a + 1])->kind, SS_MD_FLOAT);
+    CHECK_EQ_INT(node(res, res->kids[l->a + 2])->kind, SS_MD_STR);
+    CHECK_EQ_INT(res->shared, 0);
+    ss_mdread_free(r);
+    free(buf);
+}
+
+static void test_ints_batches_memo_and_globals(void)
+{
+    /* protocol 3: GLOBAL, REDUCE of a tuple, BINPUT/BINGET (a share slot),
+     * a list filled by two APPENDS and an APPEND, ints of every width */
+    static const char p3[] =
+        "\x80\x03"
+        "ctorch\nSize\nq\x00"      /* GLOBAL, memo 0 */
+        "K\x02\x85R"               /* Size((2,)) */
+        "]q\x01(J\xfe\xff\xff\xff" /* [-2 */
+        "M\xff\xff"
+        "e"                                         /* , 65535] */
+        "(\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80" /* INT64_MIN */
+        "\x8a\x00"                                  /* 0 */
+        "M\xff\xff" /* 65535 again: the same node */
+        "e"
+        "h\x00"
+        "a"      /* the GLOBAL again: shared */
+        "\x86."; /* (Size, list) */
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(S(p3), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *t = node(res, res->root), *red, *g, *l;
+    CHECK_EQ_INT(t->kind, SS_MD_TUPLE);
+    CHECK_EQ_INT(t->b, 2);
+    red = node(res, res->kids[t->a]);
+    l = node(res, res->kids[t->a + 1]);
+    CHECK_EQ_INT(red->kind, SS_MD_REDUCE);
+    g = node(res, red->a);
+    CHECK_EQ_INT(g->kind, SS_MD_GLOBAL);
+    CHECK(node(res, g->a)->b == 5 &&
+          memcmp(buf + node(res, g->a)->a, "torch", 5) == 0);
+    CHECK_EQ_INT(g->share, 1);
+    CHECK_EQ_INT(res->shared, 1);
+    CHECK_EQ_INT(l->kind, SS_MD_LIST);
+    CHECK_EQ_INT(l->b, 6);
+    const uint32_t *k = res->kids + l->a;
+    CHECK_EQ_INT(ival(node(res, k[0])), -2);
+    CHECK_EQ_INT(ival(node(res, k[1])), 65535);
+    CHECK(ival(node(res, k[2])) == INT64_MIN);
+    CHECK_EQ_INT(ival(node(res, k[3])), 0);
+    CHECK_EQ_INT(k[1], k[4]); /* one node for 65535 */
+    CHECK_EQ_INT(k[5], red->a);
+    ss_mdread_free(r);
+    free(buf);
+}
+
+static void test_refuses(void)
+{
+#define R(lit, code)                                                           \
+    {                                                                          \
+        (lit), sizeof(lit) - 1, (code)                                         \
+    }
+    static const struct {
+        const char *s;
+        size_t n;
+        int code;
+    } cases[] = {
+        R("\x80\x02N.", SS_EINVAL),          /* protocol 2 */
+        R("N.", SS_EINVAL),                  /* no PROTO */
+        R("\x80\x04N2.", SS_EINVAL),         /* DUP */
+        R("\x80\x04NN0.", SS_EINVAL),        /* POP */
+        R("\x80\x04I1\n.", SS_EINVAL),       /* text INT */
+        R("\x80\x04\x80\x04N.", SS_EINVAL),  /* PROTO again */
+        R("\x80\x04Nq\x01.", SS_ERANGE),     /* memo index skipped */
+        R("\x80\x04h\x00.", SS_ERANGE),      /* GET of nothing */
+        R("\x80\x04}Na.", SS_EINVAL),        /* APPEND on a dict */
+        R("\x80\x04](Nu.", SS_EINVAL),       /* SETITEMS on a list */
+        R("\x80\x04}(Nu.", SS_EINVAL),       /* odd SETITEMS */
+        R("\x80\x04NN.", SS_EINVAL),         /* two values at STOP */
+        R("\x80\x04(N.", SS_EINVAL),         /* open MARK at STOP */
+        R("\x80\x04N}b.", SS_EINVAL),        /* BUILD on None */
+        R("\x80\x04N)\x81}b}b.", SS_EINVAL), /* BUILD twice */
+        R("\x80\x04NN\x81.", SS_EINVAL),     /* NEWOBJ args not a tuple */
+        R("\x80\x04K\x01N\x93.", SS_EINVAL), /* STACK_GLOBAL of an int */
+        R("\x80\x04\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01"
+          ".",
+          SS_EINVAL), /* int beyond int64 */
+        R("\x80\x04\x8c\x05"
+          "ab.",
+          SS_ERANGE),                  /* string past the end */
+        R("\x80\x04N", SS_ERANGE),     /* no STOP */
+        R("\x80\x04t.", SS_EINVAL),    /* TUPLE without MARK */
+        R("\x80\x04\x85.", SS_EINVAL), /* TUPLE1 of nothing */
+        R("\x80\x04(a.", SS_EINVAL),   /* APPEND under a MARK */
+        R("\x80\x04\x95\x02\x00\x00\x00\x00\x00\x00\x00J\x01\x02\x03\x04.",
+          SS_ERANGE), /* across a FRAME's end */
+        R("\x80\x04\x95\x0a\x00\x00\x00\x00\x00\x00\x00"
+          "\x95\x01\x00\x00\x00\x00\x00\x00\x00N.",
+          SS_EINVAL), /* FRAME in a FRAME */
+        R("\x80\x04\x95\xff\x00\x00\x00\x00\x00\x00\x00N.",
+          SS_ERANGE), /* FRAME past the end */
+        R("\x80\x04"
+          "ctorch\nSize",
+          SS_ERANGE), /* GLOBAL without newline */
+    };
+#undef R
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ss_errinfo e;
+        char *buf = malloc(cases[i].n);
+        ss_mdread *r = (ss_mdread *)1;
+        memcpy(buf, cases[i].s, cases[i].n);
+        ss_errinfo_clear(&e);
+        int rc = ss_mdread_decode(buf, cases[i].n, &r, &e);
+        if (rc != cases[i].code)
+            fprintf(stderr, "case %zu: rc %d\n", i, rc);
+        CHECK_EQ_INT(rc, cases[i].code);
+        CHECK(r == NULL);
+        CHECK_EQ_INT(e.code, cases[i].code);
+        CHECK(e.offset >= 0 && (size_t)e.offset <= cases[i].n);
+        free(buf);
+    }
+}
+
+static void test_truncations_and_flips(void)
+{
+    /* pickle.dumps(Metadata({'w': BytesStorageMetadata()}, None, {}, None,
+     * '1.0.0')) of torch 2.13's classes */
+    static const char md[] =
+        "\x80\x04\x95\xbc\x00\x00\x00\x00\x00\x00\x00\x8c\x25\x74\x6f\x72"
+        "\x63\x68\x2e\x64\x69\x73\x74\x72\x69\x62\x75\x74\x65\x64\x2e\x63"
+        "\x68\x65\x63\x6b\x70\x6f\x69\x6e\x74\x2e\x6d\x65\x74\x61\x64\x61"
+        "\x74\x61\x94\x8c\x08\x4d\x65\x74\x61\x64\x61\x74\x61\x94\x93\x94"
+        "\x29\x81\x94\x7d\x94\x28\x8c\x13\x73\x74\x61\x74\x65\x5f\x64\x69"
+        "\x63\x74\x5f\x6d\x65\x74\x61\x64\x61\x74\x61\x94\x7d\x94\x8c\x01"
+        "\x77\x94\x68\x00\x8c\x14\x42\x79\x74\x65\x73\x53\x74\x6f\x72\x61"
+        "\x67\x65\x4d\x65\x74\x61\x64\x61\x74\x61\x94\x93\x94\x29\x81\x94"
+        "\x73\x8c\x0c\x70\x6c\x61\x6e\x6e\x65\x72\x5f\x64\x61\x74\x61\x94"
+        "\x4e\x8c\x0c\x73\x74\x6f\x72\x61\x67\x65\x5f\x64\x61\x74\x61\x94"
+        "\x7d\x94\x8c\x0c\x73\x74\x6f\x72\x61\x67\x65\x5f\x6d\x65\x74\x61"
+        "\x94\x4e\x8c\x07\x76\x65\x72\x73\x69\x6f\x6e\x94\x8c\x05\x31\x2e"
+        "\x30\x2e\x30\x94\x75\x62\x2e";
+    size_t n = sizeof md - 1;
+    CHECK_EQ_INT(dec(md, n, NULL, NULL), 0);
+    for (size_t k = 0; k < n; k++) {
+        int rc = dec(md, k, NULL, NULL);
+        CHECK(rc == SS_ERANGE || rc == SS_EINVAL);
+    }
+    /* every byte flipped to a few values: any answer, no overread, no leak */
+    char *buf = malloc(n);
+    for (size_t k = 0; k < n; k++)
+        for (int v = 0; v < 256; v += 37) {
+            memcpy(buf, md, n);
+            buf[k] = (char)v;
+            int rc = dec(buf, n, NULL, NULL);
+            CHECK(rc == 0 || rc == SS_ERANGE || rc == SS_EINVAL);
+        }
+    free(buf);
+}
+
+static void test_many_items(void)
+{
+    /* a list of 5000 items in 5 APPENDS batches, and a memo past 256 entries
+     * (LONG_BINPUT / LONG_BINGET) */
+    size_t n = 2 + 1 + 5 * (1 + 1000 * 2 + 1) + 5 + 1 + 1;
+    char *s = malloc(n + 16), *p = s;
+    memcpy(p, "\x80\x04]", 3);
+    p += 3;
+    for (int b = 0; b < 5; b++) {
+        *p++ = '(';
+        for (int i = 0; i < 1000; i++) {
+            *p++ = 'K';
+            *p++ = (char)(i & 0xff);
+        }
+        *p++ = 'e';
+    }
+    memcpy(p, "r\x00\x00\x00\x00j\x00\x00\x00\x00\x86.", 12);
+    p += 12;
+    ss_mdread *r;
+    char *keep;
+    CHECK_EQ_INT(dec(s, (size_t)(p - s), &r, &keep), 0);
+    if (r == NULL) {
+        free(keep);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *t = node(res, res->root);
+    CHECK_EQ_INT(t->kind, SS_MD_TUPLE);
+    CHECK_EQ_INT(res->kids[t->a], res->kids[t->a + 1]);
+    const ss_md_node *l = node(res, res->kids[t->a]);
+    CHECK_EQ_INT(l->b, 5000);
+    for (uint32_t i = 0; i < 5000; i++)
+        CHECK_EQ_INT(ival(node(res, res->kids[l->a + i])),
+                     (int)(i % 1000) & 0xff);
+    ss_mdread_free(r);
+    free(keep);
+    free(s);
+}
+
+int main(void)
+{
+    RUN(test_decodes_a_dict);
+    RUN(test_ints_batches_memo_and_globals);
+    RUN(test_refuses);
+    RUN(test_truncations_and_flips);
+    RUN(test_many_items);
+    ss_mdread_free(NULL);
+    return ss_test_report("test_mdread");
+}
