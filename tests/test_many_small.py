@@ -109,3 +109,27 @@ def test_many_small_tensors_cross_load(tmp_path, writer) -> None:
     (tdcp if writer == "shardstate" else dcp).load(dest, checkpoint_id=tmp_path)
     assert all(torch.equal(dest[k], sd[k]) for k in sd if k != "model")
     assert torch.equal(dest["model"].w, torch.ones(3))
+
+
+def test_packed_runs_are_torchs_bytes(tmp_path, monkeypatch) -> None:
+    """Runs of small records written as one job each (split at a tiny
+    segment size, broken by a record too big to pack and by views of a
+    larger storage) hold the bytes torch's writer writes."""
+    from shardstate.checkpoint import _fs_write
+
+    monkeypatch.setattr(_fs_write, "_PACK_SEGMENT", 3000)
+    g = torch.Generator().manual_seed(2)
+    big = torch.arange(100, dtype=torch.float32)
+    sd = {f"s{i}": torch.randn(3, 5, generator=g) for i in range(7)}
+    sd.update({"large": torch.randn(200, 100, generator=g), "view": big[10:17],
+               "empty": torch.empty(0, 3), "scalar": torch.tensor(1.5),
+               "half": torch.randn(4, 4, generator=g).half(), "step": 3})
+    dcp.save(sd, checkpoint_id=tmp_path / "ours")
+    tdcp.save(sd, checkpoint_id=tmp_path / "torch")
+    files = sorted(p.name for p in (tmp_path / "torch").glob("*.distcp"))
+    assert files and files == sorted(p.name for p in (tmp_path / "ours").glob("*.distcp"))
+    for f in files:
+        assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "torch" / f).read_bytes()
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    dcp.load(dest, checkpoint_id=tmp_path / "ours")
+    assert all(torch.equal(dest[k], sd[k]) for k in sd if isinstance(sd[k], torch.Tensor))
