@@ -133,3 +133,28 @@ def test_packed_runs_are_torchs_bytes(tmp_path, monkeypatch) -> None:
     dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     dcp.load(dest, checkpoint_id=tmp_path / "ours")
     assert all(torch.equal(dest[k], sd[k]) for k in sd if isinstance(sd[k], torch.Tensor))
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (), (5,), (0, 4), (3, 0)])
+def test_same_box_read_is_the_general_plans(shape, monkeypatch) -> None:
+    """A whole saved chunk read into the same box: the shortcut's ReadItems
+    are the general overlap path's (none for an empty box)."""
+    from shardstate.checkpoint import default_planner as dp
+    from shardstate.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    zeros, size = torch.Size([0] * len(shape)), torch.Size(shape)
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=size,
+                               chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)])
+    local = [ChunkStorageMetadata(offsets=zeros, sizes=size)]
+    fast = dp.create_read_items_for_chunk_list("k", md, local)
+    monkeypatch.setattr(dp, "_same_box_read", lambda *a: None)
+    general = dp.create_read_items_for_chunk_list("k", md, local)
+    assert fast == general
+    assert len(fast) == (1 if all(n > 0 for n in shape) else 0)
+    for a, b in zip(fast, general):
+        assert [type(a.dest_offsets), type(a.storage_offsets), type(a.lengths)] == \
+            [type(b.dest_offsets), type(b.storage_offsets), type(b.lengths)]

@@ -209,6 +209,19 @@ def _record_plan(
 # --------------------------------------------------------------------------
 
 
+def _dense_plan_of(dtype: str, sizes: tuple[Any, ...]) -> tuple[
+        str, tuple[int, ...], TensorRecordPlan, _Trailer] | None:
+    shape = tuple(int(n) for n in sizes)
+    numel = 1
+    for n in shape:
+        numel *= n
+    try:
+        plan, trailer = _record_plan(dtype, shape, None, numel)
+    except (RecordFormatError, ValueError):
+        return None
+    return dtype, shape, plan, trailer
+
+
 @dataclass(frozen=True)
 class _Rec:
     """Where a tensor record's storage bytes are, and how to view them."""
@@ -275,6 +288,8 @@ class _Records:
         self.storage_data = storage_data
         self.metadata = metadata
         self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
+        # (dtype, sizes) -> _dense_plan's answer: many chunks share one shape
+        self._dense: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
     def _open_file(self, rel: object, files: dict[str, _File]) -> _File:
         if type(rel) is not str:
@@ -373,16 +388,11 @@ class _Records:
         if found is None:
             return None
         tmd, chunk = found
-        shape = tuple(int(n) for n in chunk.sizes)
-        numel = 1
-        for n in shape:
-            numel *= n
-        dtype = str(tmd.properties.dtype)
-        try:
-            plan, trailer = _record_plan(dtype, shape, None, numel)
-        except (RecordFormatError, ValueError):
-            return None
-        return dtype, shape, plan, trailer
+        key = (tmd.properties.dtype, tuple(chunk.sizes))
+        dense = self._dense.get(key, False)
+        if dense is False:
+            dense = self._dense[key] = _dense_plan_of(str(key[0]), key[1])
+        return dense
 
     def record_limit(self, r: _Req) -> tuple[int, int]:
         """(limit, expected size) of the record a tensor item's stream
