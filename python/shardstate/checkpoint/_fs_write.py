@@ -107,10 +107,22 @@ def _uses_overlapping_loader(thread_count: int, copy_ahead: int) -> bool:
 # --------------------------------------------------------------------------
 
 
+# dtypes Tensor.numpy() takes (names, so no torch import here)
+_NUMPY_DTYPES = frozenset(
+    f"torch.{n}" for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16",
+                           "float32", "float64", "complex64", "complex128"))
+
+
 def _storage_bytes(t: Any) -> np.ndarray:
-    """A zero-copy uint8 view of a CPU tensor's whole storage."""
+    """A zero-copy uint8 view of a detached CPU tensor's whole storage:
+    through ``numpy()`` when the tensor is its whole storage in order (a
+    quarter of the time, a few microseconds a tensor), else through a uint8
+    tensor set on the storage (any dtype)."""
     torch = import_torch()
     st = t.untyped_storage()
+    if (st.nbytes() == t.nbytes and not t.storage_offset() and t.is_contiguous()
+            and str(t.dtype) in _NUMPY_DTYPES):
+        return t.numpy().reshape(-1).view(np.uint8)
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
 
 
