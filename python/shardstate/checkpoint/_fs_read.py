@@ -216,6 +216,8 @@ def _slab(
     contiguous range of it (the whole chunk, or a slab along its first
     non-unit dimension); None otherwise, and for a conj/neg view's record
     (its bytes are not the values)."""
+    if rec.dense and lengths == rec.shape and not any(offs):
+        return 0, rec.data_length  # the whole record (the caller checked the dtype)
     if rec.storage_offset or rec.conj or rec.neg or not is_contiguous(rec.shape, rec.stride):
         return None
     d = len(rec.shape) - 1

@@ -27,7 +27,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +210,7 @@ def _record_plan(
 
 
 def _dense_plan_of(dtype: str, sizes: tuple[Any, ...]) -> tuple[
-        str, tuple[int, ...], TensorRecordPlan, _Trailer] | None:
+        str, tuple[int, ...], TensorRecordPlan, _Trailer, tuple[int, ...]] | None:
     shape = tuple(int(n) for n in sizes)
     numel = 1
     for n in shape:
@@ -219,7 +219,7 @@ def _dense_plan_of(dtype: str, sizes: tuple[Any, ...]) -> tuple[
         plan, trailer = _record_plan(dtype, shape, None, numel)
     except (RecordFormatError, ValueError):
         return None
-    return dtype, shape, plan, trailer
+    return dtype, shape, plan, trailer, contiguous_strides(shape)
 
 
 @dataclass(frozen=True)
@@ -237,6 +237,9 @@ class _Rec:
     # (such records always go through _copy_out, which applies them)
     conj: bool = False
     neg: bool = False
+    # known dense row-major (recognised as the record we would write): a
+    # hint for _slab, not part of what the record is
+    dense: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -381,9 +384,9 @@ class _Records:
                     yield rank, it, _index_key(it.storage_index), found
 
     def _dense_plan(self, r: _Req) -> tuple[str, tuple[int, ...], TensorRecordPlan,
-                                             _Trailer] | None:
-        """(dtype, shape, plan, trailer) of the contiguous record the
-        metadata predicts for the chunk ``r`` reads, or None."""
+                                             _Trailer, tuple[int, ...]] | None:
+        """(dtype, shape, plan, trailer, strides) of the contiguous record
+        the metadata predicts for the chunk ``r`` reads, or None."""
         found = self.chunk(r.item.storage_index)
         if found is None:
             return None
@@ -419,7 +422,7 @@ class _Records:
         dense = self._dense_plan(r)
         if dense is None:
             return None
-        dtype, shape, plan, trailer = dense
+        dtype, shape, plan, trailer, strides = dense
         if off is None:
             off = r.info.offset
         if length is None:
@@ -433,8 +436,8 @@ class _Records:
         crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
         if tail != trailer(crc):
             return None
-        return _Rec(dtype.removeprefix("torch."), shape, contiguous_strides(shape), 0,
-                    off + dofs, dlen, crc)
+        return _Rec(dtype.removeprefix("torch."), shape, strides, 0, off + dofs, dlen, crc,
+                    dense=True)
 
     def parse_buffer(self, buf: bytearray, r: _Req) -> _Rec:
         """The tensor record held whole in ``buf`` (what an item's stream
