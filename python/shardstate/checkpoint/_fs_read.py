@@ -170,14 +170,21 @@ def _copy_out(r: _Req, rec: _Rec, data: np.ndarray, dest: Any) -> None:
     dest.copy_(src)
 
 
-def _destination(r: _Req, rec: _Rec, planner: Any) -> Any:
+def _region(r: _Req) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(storage offsets, lengths) of a tensor read, as tuples of ints."""
+    return (tuple(int(o) for o in r.item.storage_offsets),
+            tuple(int(n) for n in r.item.lengths))
+
+
+def _destination(r: _Req, rec: _Rec, planner: Any,
+                 region: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Any:
     """The planner's destination for a tensor read (detached), checked
-    against the region the read needs and the record it reads from."""
+    against the region the read needs (``_region``) and the record it reads
+    from."""
     dest = planner.resolve_tensor(r.item)
     if not isinstance(dest, np.ndarray):
         dest = dest.detach()
-    lengths = tuple(int(n) for n in r.item.lengths)
-    offs = tuple(int(o) for o in r.item.storage_offsets)
+    offs, lengths = _region(r) if region is None else region
     if tuple(dest.shape) != lengths:
         raise StorageFormatError(
             f"{r.where()}: destination has shape {tuple(dest.shape)}, the read needs "
@@ -209,6 +216,8 @@ def _slab(
     contiguous range of it (the whole chunk, or a slab along its first
     non-unit dimension); None otherwise, and for a conj/neg view's record
     (its bytes are not the values)."""
+    if rec.dense and lengths == rec.shape and not any(offs):
+        return 0, rec.data_length  # the whole record (the caller checked the dtype)
     if rec.storage_offset or rec.conj or rec.neg or not is_contiguous(rec.shape, rec.stride):
         return None
     d = len(rec.shape) - 1
@@ -337,9 +346,8 @@ class _Reads:
         direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
         staged: list[tuple[_Req, _Rec, Any]] = []
         for r, rec in zip(reqs, infos):
-            dest = _destination(r, rec, planner)
-            lengths = tuple(int(n) for n in r.item.lengths)
-            offs = tuple(int(o) for o in r.item.storage_offsets)
+            offs, lengths = region = _region(r)
+            dest = _destination(r, rec, planner, region)
             span = None
             if isinstance(dest, np.ndarray):
                 if (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"

@@ -27,7 +27,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,19 @@ def _record_plan(
 # --------------------------------------------------------------------------
 
 
+def _dense_plan_of(dtype: str, sizes: tuple[Any, ...]) -> tuple[
+        str, tuple[int, ...], TensorRecordPlan, _Trailer, tuple[int, ...]] | None:
+    shape = tuple(int(n) for n in sizes)
+    numel = 1
+    for n in shape:
+        numel *= n
+    try:
+        plan, trailer = _record_plan(dtype, shape, None, numel)
+    except (RecordFormatError, ValueError):
+        return None
+    return dtype, shape, plan, trailer, contiguous_strides(shape)
+
+
 @dataclass(frozen=True)
 class _Rec:
     """Where a tensor record's storage bytes are, and how to view them."""
@@ -224,6 +237,9 @@ class _Rec:
     # (such records always go through _copy_out, which applies them)
     conj: bool = False
     neg: bool = False
+    # known dense row-major (recognised as the record we would write): a
+    # hint for _slab, not part of what the record is
+    dense: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -275,6 +291,8 @@ class _Records:
         self.storage_data = storage_data
         self.metadata = metadata
         self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
+        # (dtype, sizes) -> _dense_plan's answer: many chunks share one shape
+        self._dense: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
     def _open_file(self, rel: object, files: dict[str, _File]) -> _File:
         if type(rel) is not str:
@@ -366,23 +384,18 @@ class _Records:
                     yield rank, it, _index_key(it.storage_index), found
 
     def _dense_plan(self, r: _Req) -> tuple[str, tuple[int, ...], TensorRecordPlan,
-                                             _Trailer] | None:
-        """(dtype, shape, plan, trailer) of the contiguous record the
-        metadata predicts for the chunk ``r`` reads, or None."""
+                                             _Trailer, tuple[int, ...]] | None:
+        """(dtype, shape, plan, trailer, strides) of the contiguous record
+        the metadata predicts for the chunk ``r`` reads, or None."""
         found = self.chunk(r.item.storage_index)
         if found is None:
             return None
         tmd, chunk = found
-        shape = tuple(int(n) for n in chunk.sizes)
-        numel = 1
-        for n in shape:
-            numel *= n
-        dtype = str(tmd.properties.dtype)
-        try:
-            plan, trailer = _record_plan(dtype, shape, None, numel)
-        except (RecordFormatError, ValueError):
-            return None
-        return dtype, shape, plan, trailer
+        key = (tmd.properties.dtype, tuple(chunk.sizes))
+        dense = self._dense.get(key, False)
+        if dense is False:
+            dense = self._dense[key] = _dense_plan_of(str(key[0]), key[1])
+        return dense
 
     def record_limit(self, r: _Req) -> tuple[int, int]:
         """(limit, expected size) of the record a tensor item's stream
@@ -409,7 +422,7 @@ class _Records:
         dense = self._dense_plan(r)
         if dense is None:
             return None
-        dtype, shape, plan, trailer = dense
+        dtype, shape, plan, trailer, strides = dense
         if off is None:
             off = r.info.offset
         if length is None:
@@ -423,8 +436,8 @@ class _Records:
         crc = struct.unpack_from("<I", tail, 4)[0] if dlen else 0
         if tail != trailer(crc):
             return None
-        return _Rec(dtype.removeprefix("torch."), shape, contiguous_strides(shape), 0,
-                    off + dofs, dlen, crc)
+        return _Rec(dtype.removeprefix("torch."), shape, strides, 0, off + dofs, dlen, crc,
+                    dense=True)
 
     def parse_buffer(self, buf: bytearray, r: _Req) -> _Rec:
         """The tensor record held whole in ``buf`` (what an item's stream

@@ -9,13 +9,15 @@ import os
 import warnings
 from typing import Any, Protocol
 
+from .._util import gc_paused
 from ._dist import _Coordinator
 from ._setup import _coordinator, _storage_setup
 from .default_planner import DefaultLoadPlanner as DefaultLoadPlanner
 from .logger import _dcp_method_logger
 from .planner import LoadPlan as LoadPlan
 from .planner import LoadPlanner as LoadPlanner
-from .stateful import Stateful
+from .stateful import Stateful as Stateful
+from .stateful import is_stateful
 from .storage import StorageReader as StorageReader
 from .utils import _api_bc_check
 
@@ -53,9 +55,9 @@ def load(
     coord = _coordinator(process_group, no_dist)
     keys = sorted(state_dict.keys())  # every rank walks the keys in one order
     error: BaseException | None = None
-    with coord.session():
+    with gc_paused(), coord.session():
         try:
-            flat = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful)
+            flat = {k: (state_dict[k].state_dict() if is_stateful(state_dict[k])
                         else state_dict[k]) for k in keys}
         except Exception as e:
             if not coord.use_dist:
@@ -65,7 +67,7 @@ def load(
 
         def apply() -> None:
             for k in keys:
-                if isinstance(state_dict[k], Stateful):
+                if is_stateful(state_dict[k]):
                     state_dict[k].load_state_dict(flat[k])
                 else:
                     state_dict[k] = flat[k]

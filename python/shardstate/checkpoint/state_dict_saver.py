@@ -11,6 +11,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+from .._util import gc_paused
 from . import _staging
 from ._dist import _Coordinator
 from ._liveness import group_timeout
@@ -24,7 +25,8 @@ from .planner import SavePlanner as SavePlanner
 from .staging import AsyncStager, BlockingAsyncStager
 from .staging import DefaultStager as DefaultStager
 from .staging import StagingOptions as StagingOptions
-from .stateful import Stateful
+from .stateful import Stateful as Stateful
+from .stateful import is_stateful
 from .storage import StorageWriter as StorageWriter
 from .storage import WriteResult as WriteResult
 from .utils import _api_bc_check
@@ -54,7 +56,7 @@ else:
 
 def _stateful_to_state_dict(state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
     """Top-level Stateful values are saved through their state_dict()."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
 
 
 def _default_save_planner(coord: _Coordinator, use_collectives: bool) -> Any:
@@ -100,7 +102,7 @@ def save(
     """
     writer = _storage_setup(storage_writer, checkpoint_id, reader=False)
     coord = _coordinator(process_group, no_dist)
-    with coord.session():
+    with gc_paused(), coord.session():
         try:
             flat, error = _stateful_to_state_dict(state_dict), None
         except Exception as e:
