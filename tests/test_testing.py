@@ -34,6 +34,12 @@ def _hang_on_rank0(rank, world_size):
 
 
 def _crash_on_last(rank, world_size):
+    # every rank through the group's setup first: a rank that returns at once
+    # tears its side down while a slow peer is still connecting, which fails
+    # that peer in init_process_group instead of letting it reach the crash
+    import torch.distributed as dist
+
+    dist.barrier()
     if rank == world_size - 1:
         os._exit(3)
     return rank
