@@ -107,5 +107,6 @@ int ss_py_stage_init(PyObject *m, ss_state *st);
 int ss_py_comm_init(PyObject *m, ss_state *st);
 int ss_py_cuda_init(PyObject *m, ss_state *st);
 int ss_py_pickle_init(PyObject *m, ss_state *st);
+int ss_py_plan_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */
