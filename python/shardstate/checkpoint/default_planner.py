@@ -353,21 +353,7 @@ def _global_save_plan(
                 raise AssertionError(f"key {fqn!r} is planned both as bytes and as a tensor")
             chunks = entry.chunks
             if rewrite_index_hints:
-                hint = len(chunks)
-                if type(item) is WriteItem and type(index) is MetadataIndex:
-                    # dataclasses.replace, twice, by copying instance dicts
-                    # (see _with_index_hint): most of this loop's time.
-                    new_index = _new(MetadataIndex)
-                    d = new_index.__dict__
-                    d.update(index.__dict__)
-                    d["index"] = hint
-                    item2 = _new(WriteItem)
-                    d = item2.__dict__
-                    d.update(item.__dict__)
-                    d["index"] = new_index
-                    item = item2
-                else:
-                    item = _with_index_hint(item, hint)
+                item = _with_index_hint(item, len(chunks))
             append(item)
             chunks.append(td.chunk)
         new_plans.append(dataclasses.replace(plan, items=new_items))
