@@ -275,3 +275,24 @@ def test_with_index_hints() -> None:
     with pytest.raises(AttributeError):
         with_index_hints([object()], [1])
     assert with_index_hints((), []) == []
+
+
+def test_overlap_scan_matches_the_index() -> None:
+    rng = random.Random(13)
+    for _ in range(300):
+        ndim = rng.randint(1, 3)
+        boxes = [([rng.randint(0, 8) for _ in range(ndim)],
+                  [rng.randint(0, 4) for _ in range(ndim)]) for _ in range(rng.randint(1, 20))]
+        requests = [([rng.randint(0, 8) for _ in range(ndim)],
+                     [rng.randint(0, 5) for _ in range(ndim)]) for _ in range(rng.randint(1, 4))]
+        off = np.array([b[0] for b in boxes], dtype=np.int64)
+        size = np.array([b[1] for b in boxes], dtype=np.int64)
+        scanned = sdp._scan_overlaps(off, size, requests)
+        indexed = sdp.OverlapIndex.from_arrays(off, size).query_many(requests)
+        assert scanned == [[tuple(o) for o in hits] for hits in indexed]
+    # Values the scan does not take: the index answers (or refuses) instead.
+    one = np.array([[1]], dtype=np.int64)
+    assert sdp._scan_overlaps(-one, one, [((0,), (1,))]) is None
+    assert sdp._scan_overlaps(one, one, [((-1,), (1,))]) is None
+    assert sdp._scan_overlaps(one, one, [((1 << 62,), (1,))]) is None
+    assert sdp._scan_overlaps(one, one, [((0, 0), (1, 1))]) is None
