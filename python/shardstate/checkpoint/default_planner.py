@@ -183,18 +183,21 @@ _FQN_OFFSET = operator.attrgetter("fqn", "offset")
 def _storage_sizes(items: list[Any]) -> list[int]:
     """``[item.tensor_storage_size() or 1 for item in items]``. For WriteItem
     itself (a subclass may override the method) the size depends on the
-    global size and dtype alone: asked once per distinct pair."""
+    global size and dtype alone: asked once per distinct pair, the pairs
+    read and looked up in C."""
     if set(map(type, items)) != {WriteItem}:
         return [item.tensor_storage_size() or 1 for item in items]
     tds = list(map(_TENSOR_DATA, items))
-    tensor = [i for i, is_none in enumerate(map(operator.is_, tds, repeat(None))) if not is_none]
-    keys = list(map(_SIZE_DTYPE, map(tds.__getitem__, tensor)))
-    first = dict(zip(reversed(keys), reversed(tensor)))  # each key's first item
-    size_of = {k: items[i].tensor_storage_size() or 1 for k, i in first.items()}
-    sizes = [1] * len(items)
-    for i, n in zip(tensor, map(size_of.__getitem__, keys)):
-        sizes[i] = n
-    return sizes
+    is_tensor = list(map(operator.is_not, tds, repeat(None)))
+    keys = list(map(_SIZE_DTYPE, compress(tds, is_tensor)))
+    tensor_items = list(compress(items, is_tensor))
+    first = dict(zip(reversed(keys), reversed(tensor_items)))  # each pair's first item
+    size_of = {k: item.tensor_storage_size() or 1 for k, item in first.items()}
+    if len(keys) == len(items):
+        return list(map(size_of.__getitem__, keys))
+    sizes = np.ones(len(items), dtype=object)
+    sizes[np.array(is_tensor, dtype=bool)] = list(map(size_of.__getitem__, keys))
+    return sizes.tolist()
 
 
 _SIZE_DTYPE = operator.attrgetter("size", "properties.dtype")
