@@ -10,6 +10,9 @@ Deliberate differences from torch:
 
 * reads of zero elements (an empty chunk strictly inside another) are not
   planned; torch plans them and copies nothing;
+* the save's validation does not call an empty chunk inside another, or a
+  chunk at a negative offset (reported out of bounds), overlapping; torch
+  reports both as overlaps too;
 * a load falls back to pre-2.4 keys only when they match more of the
   checkpoint's keys (torch falls back as soon as one missing key is
   explained, which breaks a rank holding an empty shard of a parameter);
