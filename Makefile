@@ -19,7 +19,7 @@ CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_
 # inside torch aborts the process under the ASan runtime.
 LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
-.PHONY: all venv build test wheel-test check lint ctest tsan-ctest asan-test demo bench clean
+.PHONY: all venv build test wheel-test check lint ctest tsan-ctest asan-test demo bench bench-planning clean
 
 all: build
 
@@ -239,6 +239,10 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/bench_io.py
+
+# DCP planning at 1,024 and 4,096 simulated ranks against torch's planners.
+bench-planning: build
+	$(PY) benchmarks/bench_planning.py
 
 clean:
 	rm -rf build python/shardstate/*.so

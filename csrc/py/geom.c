@@ -426,7 +426,117 @@ static PyObject *py_copy_region(PyObject *m, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* One row of chunk_boxes: getattr(chunk, name) as nd int64s in dst.
+ * 0, 1 when it does not hold nd values, or -1 with an error set. */
+static int chunk_row(PyObject *chunk, PyObject *name, Py_ssize_t nd,
+                     int64_t *dst)
+{
+    PyObject *v, *seq = NULL, **items;
+    int rc = -1;
+
+    v = PyObject_GetAttr(chunk, name);
+    if (v == NULL)
+        return -1;
+    /* torch.Size is a tuple subclass: read in place, without a copy. */
+    if (PyTuple_Check(v)) {
+        seq = Py_NewRef(v);
+    } else {
+        seq = PySequence_Fast(v, "chunk_boxes: offsets and sizes must be "
+                                 "sequences of ints");
+        if (seq == NULL)
+            goto out;
+    }
+    if (PySequence_Fast_GET_SIZE(seq) != nd) {
+        rc = 1;
+        goto out;
+    }
+    items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        long long x = PyLong_AsLongLong(items[i]);
+        if (x == -1 && PyErr_Occurred())
+            goto out;
+        dst[i] = (int64_t)x;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(seq);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* chunk_boxes(chunks, ndim): the boxes of DCP chunks (objects with
+ * .offsets and .sizes) as two (n, ndim) int64 arrays, or None when some
+ * chunk has another number of dims. A planner reads every saved chunk of a
+ * tensor this way: one attribute lookup per box side, no Python loop. */
+static PyObject *py_chunk_boxes(PyObject *module, PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    PyObject *seq = NULL, *names[2] = {NULL, NULL}, *res = NULL;
+    PyArrayObject *arr[2] = {NULL, NULL};
+    Py_ssize_t n, nd;
+    npy_intp dims[2];
+    (void)module;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chunk_boxes(chunks, ndim) takes 2 arguments");
+        return NULL;
+    }
+    nd = PyLong_AsSsize_t(args[1]);
+    if (nd == -1 && PyErr_Occurred())
+        return NULL;
+    if (nd < 0 || nd > SS_GEOM_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError,
+                     "chunk_boxes: ndim must be in [0, %d], got %zd",
+                     SS_GEOM_MAX_NDIM, nd);
+        return NULL;
+    }
+    seq = PySequence_Fast(args[0], "chunk_boxes: chunks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    dims[0] = (npy_intp)n;
+    dims[1] = (npy_intp)nd;
+    names[0] = PyUnicode_InternFromString("offsets");
+    names[1] = PyUnicode_InternFromString("sizes");
+    if (names[0] == NULL || names[1] == NULL)
+        goto out;
+    for (int k = 0; k < 2; k++) {
+        arr[k] = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_INT64);
+        if (arr[k] == NULL)
+            goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *chunk = PySequence_Fast_GET_ITEM(seq, i);
+        for (int k = 0; k < 2; k++) {
+            int r = chunk_row(chunk, names[k], nd,
+                              (int64_t *)PyArray_DATA(arr[k]) + i * nd);
+            if (r < 0)
+                goto out;
+            if (r > 0) {
+                res = Py_NewRef(Py_None);
+                goto out;
+            }
+        }
+    }
+    res = PyTuple_Pack(2, (PyObject *)arr[0], (PyObject *)arr[1]);
+out:
+    Py_XDECREF(arr[0]);
+    Py_XDECREF(arr[1]);
+    Py_XDECREF(names[0]);
+    Py_XDECREF(names[1]);
+    Py_DECREF(seq);
+    return res;
+}
+
 static PyMethodDef geom_methods[] = {
+    {"chunk_boxes", (PyCFunction)(void (*)(void))py_chunk_boxes, METH_FASTCALL,
+     "chunk_boxes(chunks, ndim)\n"
+     "--\n\n"
+     "(offsets, sizes): the .offsets and .sizes of each chunk (e.g. DCP's "
+     "ChunkStorageMetadata) as two (len(chunks), ndim) int64 arrays, or "
+     "None when some chunk has another number of dims. OverflowError for "
+     "values outside int64, TypeError for values that are not integers."},
     {"copy_region", (PyCFunction)(void (*)(void))py_copy_region, METH_FASTCALL,
      "copy_region(dst, dst_offset, src, src_offset, lengths, pool=None)\n"
      "--\n\n"

@@ -104,6 +104,12 @@ class GeomIndex:
         npt.NDArray[np.int64],
     ]: ...
 
+def chunk_boxes(
+    chunks: Sequence[Any], ndim: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None: ...
+
+def with_index_hints(items: Sequence[Any], hints: Sequence[int]) -> list[Any]: ...
+
 ShardInfoTuple = tuple[bool, int | None, int | None, int | None, int | None]
 
 class FlatLayout:
