@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shardstate.checkpoint import _nested_dict, _traverse
+from shardstate.checkpoint import _nested_dict, _plan_reads, _traverse
 from shardstate.checkpoint import default_planner as sdp
 from shardstate.checkpoint import planner as splanner
 from shardstate.checkpoint.metadata import (
@@ -591,7 +591,8 @@ def test_read_planning_is_not_quadratic(monkeypatch: pytest.MonkeyPatch) -> None
             built.append(self)
             return self
 
-    monkeypatch.setattr(sdp, "OverlapIndex", Counting)
+    # (patched where create_read_items_for_chunk_list looks it up)
+    monkeypatch.setattr(_plan_reads, "OverlapIndex", Counting)
     items = sdp.create_read_items_for_chunk_list("w", md, local)
     assert len(built) == 1  # one index for the tensor, one batched query
     visited = built[0]._index.last_visited

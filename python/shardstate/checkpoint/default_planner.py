@@ -4,7 +4,10 @@
 produce the same plans and metadata as torch's, item for item (the tests
 compare them field by field). Where torch loops over pairs of chunks, these
 use ``shardstate.geometry.OverlapIndex``: validation and read planning cost
-about O(n log n) in the number of chunks.
+about O(n log n) in the number of chunks. The coordinator's step (dedup,
+global plan, validation) lives in :mod:`._plan_global` and the read-item
+geometry in :mod:`._plan_reads`; this module keeps the planner classes and
+torch's module-level functions, and re-exports every name it held before.
 
 Deliberate differences from torch:
 
@@ -36,27 +39,63 @@ is already loaded).
 
 from __future__ import annotations
 
+# Besides what the classes use, the names this module had before the save
+# coordinator's step (_plan_global) and the read-item geometry (_plan_reads)
+# moved out stay importable from here (the imports marked F401). A
+# monkeypatch of a moved name here no longer reaches the moved code: patch
+# it in its own module.
 import dataclasses
 import io
 import logging
-import math
-import operator
+import math  # noqa: F401
+import operator  # noqa: F401
 import pickle
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from itertools import chain, compress, repeat
+from collections.abc import Callable, Mapping, Sequence  # noqa: F401
+from itertools import chain, compress, repeat  # noqa: F401
 from typing import Any
 
 import numpy as np
 
-from .._core import with_index_hints
+from .._core import with_index_hints  # noqa: F401
 from .._util import gc_paused
-from ..geometry import GeomIndex, OverlapIndex, chunk_arrays
+from ..geometry import GeomIndex, OverlapIndex, chunk_arrays  # noqa: F401
 from . import _tensors
 from ._nested_dict import FLATTEN_MAPPING, flatten_state_dict
+from ._plan_global import (  # noqa: F401
+    _BIG,
+    _CHUNK,
+    _FQN_OFFSET,
+    _INDEX,
+    _INDEX_FQN,
+    _SIZE_DTYPE,
+    _TENSOR_DATA,
+    _TYPE,
+    _balance,
+    _dedup,
+    _global_save_plan,
+    _global_save_plan_fast,
+    _new,
+    _storage_sizes,
+    _valid_chunk_arrays,
+    _validate_chunks,
+    _validate_chunks_slow,
+    _validate_global_plan,
+    _with_index_hint,
+    dedup_save_plans,
+)
+from ._plan_reads import (  # noqa: F401
+    _SCAN_LIMIT,
+    _SCAN_MAX,
+    _same_box_read,
+    _scan_overlaps,
+    _single_overlap,
+    _sweep_dim,
+    create_read_items_for_chunk_list,
+)
 from ._tensors import find_state_dict_object, to_size
 from ._traverse import set_element, traverse_state_dict
-from .metadata import (
+from .metadata import (  # noqa: F401
     STATE_DICT_TYPE,
     STORAGE_TYPES,
     BytesStorageMetadata,
@@ -97,138 +136,6 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------
 
 
-def dedup_save_plans(
-    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
-) -> list[SavePlan]:
-    """Keep each item (same ``MetadataIndex``) in one plan only.
-
-    torch 2.13's rule: items are assigned in first-seen order (rank 0's
-    first); each goes to the plan with the fewest bytes assigned so far
-    (ties: lowest rank), or to the lowest rank with ``save_to_lowest_rank``.
-    A bytes item counts as 1 byte.
-    """
-    with gc_paused():
-        return _dedup(all_plans, save_to_lowest_rank)
-
-
-def _dedup(all_plans: list[SavePlan], save_to_lowest_rank: bool) -> list[SavePlan]:
-    lens = [len(plan.items) for plan in all_plans]
-    items = list(chain.from_iterable(plan.items for plan in all_plans))
-    # MetadataIndex hashes and compares (class, fqn, offset) only: items are
-    # numbered by that key (a tuple made and hashed in C) in first-seen order.
-    indexes = list(map(_INDEX, items))
-    if len(set(map(type, indexes))) <= 1:
-        keys = list(map(_FQN_OFFSET, indexes))
-    else:
-        keys = list(zip(map(type, indexes), map(_FQN_OFFSET, indexes)))
-    del indexes
-    first_seen = dict.fromkeys(keys)
-    n = len(first_seen)
-    ids = dict(zip(first_seen, range(n)))
-    flat = np.fromiter(map(ids.__getitem__, keys), dtype=np.int64, count=len(keys))
-    del keys, first_seen, ids
-    plan_of = np.repeat(np.arange(len(all_plans), dtype=np.int64), lens)
-    count = np.bincount(flat, minlength=n)
-    # Ids grow in first-seen order: an id's first occurrence is where the
-    # running maximum grows.
-    seen_before = np.maximum.accumulate(np.concatenate(([-1], flat[:-1])))
-    chosen = plan_of[flat > seen_before]
-    rep = np.flatnonzero(count > 1)
-    if len(rep):
-        # Only the bytes of items up to the last replicated one decide
-        # anything; each item's size is its last plan's copy's (torch).
-        limit = int(rep[-1]) + 1
-        last = np.zeros(limit, dtype=np.int64)
-        head = flat < limit
-        np.maximum.at(last, flat[head], np.flatnonzero(head))
-        sizes = _storage_sizes(list(map(items.__getitem__, last.tolist())))
-        _balance(flat, plan_of, count, rep, chosen, sizes, len(all_plans), save_to_lowest_rank)
-    keep = (chosen[flat] == plan_of).tolist()
-    out, start = [], 0
-    for plan, m in zip(all_plans, lens):
-        out.append(dataclasses.replace(
-            plan, items=list(compress(items[start:start + m], keep[start:start + m]))))
-        start += m
-    return out
-
-
-def _balance(flat: Any, plan_of: Any, count: Any, rep: Any, chosen: Any, sizes: list[int],
-             nplans: int, save_to_lowest_rank: bool) -> None:
-    """torch's choice for the items in several plans (``rep``, ascending):
-    in first-seen order, each goes to the plan of the fewest bytes so far,
-    ties decided by the iteration order of the set of its plans, as in torch
-    (that set is built the same way: plan indices added in order)."""
-    mask = count[flat] > 1
-    rep_ids, rep_plans = flat[mask], plan_of[mask]
-    order = np.argsort(rep_ids, kind="stable")  # plans stay ascending within an id
-    rep_plans = rep_plans[order].tolist()
-    bounds = np.cumsum(count[rep]).tolist()
-    # Bytes planned per plan (Python ints: exact). Every item before the
-    # next replicated one lands on its first plan: their bytes are added in
-    # one C loop per stretch between replicated items.
-    planned = np.zeros(nplans, dtype=object)
-    size_arr = np.array(sizes, dtype=object)
-    prev, start = 0, 0
-    for i, end in zip(rep.tolist(), bounds):
-        if i > prev:
-            np.add.at(planned, chosen[prev:i], size_arr[prev:i])
-        plans = set(rep_plans[start:end])
-        c = min(plans) if save_to_lowest_rank else min(plans, key=planned.__getitem__)
-        chosen[i] = c
-        planned[c] += sizes[i]
-        prev, start = i + 1, end
-
-
-_INDEX = operator.attrgetter("index")
-_FQN_OFFSET = operator.attrgetter("fqn", "offset")
-
-
-def _storage_sizes(items: list[Any]) -> list[int]:
-    """``[item.tensor_storage_size() or 1 for item in items]``. For WriteItem
-    itself (a subclass may override the method) the size depends on the
-    global size and dtype alone: asked once per distinct pair, the pairs
-    read and looked up in C."""
-    if set(map(type, items)) != {WriteItem}:
-        return [item.tensor_storage_size() or 1 for item in items]
-    tds = list(map(_TENSOR_DATA, items))
-    is_tensor = list(map(operator.is_not, tds, repeat(None)))
-    keys = list(map(_SIZE_DTYPE, compress(tds, is_tensor)))
-    tensor_items = list(compress(items, is_tensor))
-    first = dict(zip(reversed(keys), reversed(tensor_items)))  # each pair's first item
-    size_of = {k: item.tensor_storage_size() or 1 for k, item in first.items()}
-    if len(keys) == len(items):
-        return list(map(size_of.__getitem__, keys))
-    sizes = np.ones(len(items), dtype=object)
-    sizes[np.array(is_tensor, dtype=bool)] = list(map(size_of.__getitem__, keys))
-    return sizes.tolist()
-
-
-_SIZE_DTYPE = operator.attrgetter("size", "properties.dtype")
-
-
-def _with_index_hint(item: Any, hint: int) -> Any:
-    """``dataclasses.replace(item, index=replace(item.index, index=hint))``.
-    For WriteItem and MetadataIndex themselves (frozen dataclasses whose
-    init only stores the fields; MetadataIndex's turns the offset into a
-    size, which it already is) the copies are made by copying the instance
-    dict: five times faster, and the same objects."""
-    index = item.index
-    if type(item) is not WriteItem or type(index) is not MetadataIndex:
-        return dataclasses.replace(item, index=dataclasses.replace(index, index=hint))
-    new_index = _new(MetadataIndex)
-    d = new_index.__dict__
-    d.update(index.__dict__)
-    d["index"] = hint
-    new = _new(WriteItem)
-    d = new.__dict__
-    d.update(item.__dict__)
-    d["index"] = new_index
-    return new
-
-
-_new = object.__new__
-
-
 def create_default_local_save_plan(state_dict: dict[str, Any], is_coordinator: bool) -> SavePlan:
     """One plan item per value (DTensors only where this rank is in the mesh).
 
@@ -252,119 +159,6 @@ def create_default_global_save_plan(
         return fast if fast is not None else _global_save_plan(all_plans, rewrite_index_hints)
 
 
-def _global_save_plan_fast(
-    all_plans: list[SavePlan], rewrite_index_hints: bool
-) -> tuple[list[SavePlan], Metadata] | None:
-    """_global_save_plan's result, worked out on arrays: fqns numbered in
-    first-seen order, each tensor item's hint its rank among its fqn's
-    tensor items. None when some item breaks a rule (a non-SHARD item
-    after another of its key, a bytes key planned twice, a tensor item
-    without a chunk): _global_save_plan then raises its error, in order."""
-    lens = [len(plan.items) for plan in all_plans]
-    items = list(chain.from_iterable(plan.items for plan in all_plans))
-    if not items:
-        return None
-    kinds = list(map(_TYPE, items))
-    fqns = list(map(_INDEX_FQN, items))
-    first_seen = dict.fromkeys(fqns)
-    n = len(first_seen)
-    ids = dict(zip(first_seen, range(n)))
-    fid = np.fromiter(map(ids.__getitem__, fqns), dtype=np.int64, count=len(items))
-    is_first = fid > np.maximum.accumulate(np.concatenate(([-1], fid[:-1])))
-    not_shard = np.fromiter(map(operator.is_not, kinds, repeat(WriteItemType.SHARD)),
-                            dtype=bool, count=len(items))
-    is_bytes = np.fromiter(map(operator.is_, kinds, repeat(WriteItemType.BYTE_IO)),
-                           dtype=bool, count=len(items))
-    if not (is_first | ~not_shard).all():
-        return None
-    if (np.bincount(fid, minlength=n)[fid[is_bytes]] != 1).any():
-        return None
-    tensor_at = np.flatnonzero(~is_bytes)
-    tensor_items = [items[k] for k in tensor_at.tolist()]
-    tds = list(map(_TENSOR_DATA, tensor_items))
-    if any(map(operator.is_, tds, repeat(None))):
-        return None
-    chunks = list(map(_CHUNK, tds))
-    if any(map(operator.is_, chunks, repeat(None))):
-        return None
-    # Tensor items grouped by fqn, item order kept inside each group.
-    tf = fid[tensor_at]
-    order = np.argsort(tf, kind="stable")
-    per = np.bincount(tf, minlength=n)
-    starts = np.cumsum(per) - per
-    md: dict[str, STORAGE_TYPES] = {}
-    order_list = order.tolist()
-    for f, fqn in enumerate(first_seen):
-        if per[f]:
-            group = order_list[starts[f]:starts[f] + per[f]]
-            td = tds[group[0]]
-            md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size,
-                                            chunks=list(map(chunks.__getitem__, group)))
-        else:
-            md[fqn] = BytesStorageMetadata()
-    if rewrite_index_hints:
-        hints = np.empty(len(order), dtype=np.int64)
-        hints[order] = np.arange(len(order), dtype=np.int64) - starts[tf[order]]
-        if set(map(type, tensor_items)) == {WriteItem} and \
-                set(map(type, map(_INDEX, tensor_items))) == {MetadataIndex}:
-            new_items = with_index_hints(tensor_items, hints.tolist())  # in C
-        else:
-            new_items = list(map(_with_index_hint, tensor_items, hints.tolist()))
-        for k, item in zip(tensor_at.tolist(), new_items):
-            items[k] = item
-    new_plans, start = [], 0
-    for plan, m in zip(all_plans, lens):
-        new_plans.append(dataclasses.replace(plan, items=items[start:start + m]))
-        start += m
-    return new_plans, Metadata(md)
-
-
-_TYPE = operator.attrgetter("type")
-_INDEX_FQN = operator.attrgetter("index.fqn")
-_TENSOR_DATA = operator.attrgetter("tensor_data")
-_CHUNK = operator.attrgetter("chunk")
-
-
-def _global_save_plan(
-    all_plans: list[SavePlan], rewrite_index_hints: bool
-) -> tuple[list[SavePlan], Metadata]:
-    md: dict[str, STORAGE_TYPES] = {}
-    new_plans = []
-    shard, byte_io = WriteItemType.SHARD, WriteItemType.BYTE_IO
-    for plan in all_plans:
-        new_items: list[WriteItem] = []
-        append = new_items.append
-        for item in plan.items:
-            index = item.index
-            fqn = index.fqn
-            kind = item.type
-            entry = md.get(fqn)
-            if kind is not shard and entry is not None:
-                raise AssertionError(
-                    f"key {fqn!r} is planned twice: a {kind.name} item may appear in "
-                    "one plan only (dedup the plans first)"
-                )
-            if kind is byte_io:
-                md[fqn] = BytesStorageMetadata()
-                append(item)
-                continue
-            td = item.tensor_data
-            if td is None or td.chunk is None:
-                raise AssertionError(f"tensor item for {fqn!r} has no tensor_data/chunk")
-            if entry is None:
-                entry = md[fqn] = TensorStorageMetadata(
-                    properties=td.properties, size=td.size, chunks=[]
-                )
-            elif not isinstance(entry, TensorStorageMetadata):
-                raise AssertionError(f"key {fqn!r} is planned both as bytes and as a tensor")
-            chunks = entry.chunks
-            if rewrite_index_hints:
-                item = _with_index_hint(item, len(chunks))
-            append(item)
-            chunks.append(td.chunk)
-        new_plans.append(dataclasses.replace(plan, items=new_items))
-    return new_plans, Metadata(md)
-
 
 def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
     """The ``Metadata`` a save of ``state_dict`` (already flat) with the
@@ -374,110 +168,6 @@ def _create_default_local_metadata(state_dict: STATE_DICT_TYPE) -> Metadata:
 
     _, md = create_default_global_save_plan([_create_default_metadata_only_plan(state_dict)])
     return md
-
-
-def _validate_global_plan(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
-    """Errors: chunks out of bounds, overlapping chunks, chunks not covering
-    the tensor (checked with more than one plan). 0-d tensors are skipped.
-
-    Per tensor O(n log n) in its n chunks, nearly all of it in C: the boxes
-    are read into arrays once (``geometry.chunk_arrays``), bounds and volume
-    are checked on them, overlaps found by a ``GeomIndex`` over them."""
-    errors: list[str] = []
-    check_fill = len(global_plan) > 1
-    for key, value in metadata.state_dict_metadata.items():
-        if not isinstance(value, TensorStorageMetadata) or len(value.size) == 0:
-            continue
-        size = tuple(value.size)
-        arrays = _valid_chunk_arrays(value.chunks, size)
-        if arrays is None:
-            _validate_chunks_slow(key, value, check_fill, errors)
-        else:
-            _validate_chunks(key, value, arrays, check_fill, errors)
-    for msg in errors:
-        logger.warning(msg)
-    return errors
-
-
-_BIG = 1 << 62  # offsets, sizes and volumes below this add up without int64 overflow
-
-
-def _valid_chunk_arrays(chunks: list[Any], size: tuple[int, ...]) -> Any:
-    """The chunks' boxes as int64 arrays when the fast checks apply (every
-    chunk of the tensor's ndim, every value and the tensor's volume well
-    inside int64), else None."""
-    if not chunks or math.prod(size) >= _BIG or max(size) >= _BIG:
-        return None
-    try:
-        arrays = chunk_arrays(chunks, len(size))
-    except (AttributeError, OverflowError, TypeError, ValueError):
-        return None
-    if arrays is None:
-        return None
-    off, sz = arrays
-    if int(off.max()) >= _BIG or int(sz.max()) >= _BIG or int(off.min()) <= -_BIG \
-            or int(sz.min()) <= -_BIG:
-        return None
-    return arrays
-
-
-def _validate_chunks(key: str, value: Any, arrays: Any, check_fill: bool,
-                     errors: list[str]) -> None:
-    """_validate_chunks_slow's checks and messages, in its order, on arrays."""
-    chunks = value.chunks
-    off, sz = arrays
-    usable = (off >= 0).all(axis=1) & (sz >= 0).all(axis=1)
-    inside = usable & (off + sz <= np.asarray(value.size, dtype=np.int64)).all(axis=1)
-    for i in np.flatnonzero(~inside).tolist():
-        errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} "
-                      f"chunk: {chunks[i]}")
-    if inside.all():  # each volume <= the tensor's < 2**62: exact in int64
-        volume = sum(np.prod(sz, axis=1).tolist())
-    else:
-        volume = sum(math.prod(c.sizes) for c in chunks)
-    boxes = np.flatnonzero(usable)
-    if len(boxes) > 1:
-        o, n = off[boxes], sz[boxes]
-        req, idx = GeomIndex(o, n).query_many(o, n)[:2]
-        pairs = idx > req  # each pair once
-        for j, i in zip(req[pairs].tolist(), idx[pairs].tolist()):
-            errors.append(f"key:{key} has overlapping chunks: "
-                          f"{chunks[boxes[i]]} {chunks[boxes[j]]}")
-    total = math.prod(value.size)
-    if check_fill and volume != total:
-        errors.append(f"key:{key} invalid fill tensor-volume: {total} chunks-volume: {volume}")
-
-
-def _validate_chunks_slow(key: str, value: Any, check_fill: bool, errors: list[str]) -> None:
-    """The checks chunk by chunk, for chunks the arrays cannot hold (another
-    ndim, values near or past int64)."""
-    size = tuple(value.size)
-    chunks = value.chunks
-    volume = 0
-    for chunk in chunks:
-        if not all(
-            o >= 0 and n >= 0 and o + n <= s
-            for o, n, s in zip(chunk.offsets, chunk.sizes, size)
-        ):
-            errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} "
-                          f"chunk: {chunk}")
-        volume += math.prod(chunk.sizes)
-    # Boxes with negative numbers (reported above) cannot go in the index.
-    boxes = [i for i, c in enumerate(chunks)
-             if len(c.offsets) == len(size) == len(c.sizes)
-             and min(c.offsets, default=0) >= 0 and min(c.sizes, default=0) >= 0]
-    if len(boxes) > 1:
-        index = OverlapIndex([(chunks[i].offsets, chunks[i].sizes) for i in boxes],
-                             ndim=len(size))
-        hits = index.query_many([(chunks[i].offsets, chunks[i].sizes) for i in boxes])
-        for j, overlaps in enumerate(hits):
-            for ov in overlaps:
-                if ov.saved_index > j:  # each pair once
-                    errors.append(f"key:{key} has overlapping chunks: "
-                                  f"{chunks[boxes[ov.saved_index]]} {chunks[boxes[j]]}")
-    total = math.prod(size)
-    if check_fill and volume != total:
-        errors.append(f"key:{key} invalid fill tensor-volume: {total} chunks-volume: {volume}")
 
 
 def _compare_save_plans(plan: SavePlan, other: SavePlan) -> bool:
@@ -723,172 +413,6 @@ class DefaultSavePlanner(SavePlanner):
 # --------------------------------------------------------------------------
 # Load planning
 # --------------------------------------------------------------------------
-
-
-def _sweep_dim(local: Sequence[ChunkStorageMetadata], saved: Sequence[ChunkStorageMetadata],
-               ndim: int, saved_ends: list[int] | None = None) -> int:
-    """The dim with the largest extent (torch orders its reads along it);
-    ``saved_ends``: the saved chunks' largest end per dim, when known."""
-    best, best_extent = 0, 0
-    if ndim > 1:
-        for d in range(ndim):
-            saved_end = saved_ends[d] if saved_ends is not None else \
-                max((c.offsets[d] + c.sizes[d] for c in saved), default=0)
-            extent = max(max((c.offsets[d] + c.sizes[d] for c in local), default=0), saved_end)
-            if extent > best_extent:
-                best, best_extent = d, extent
-    return best
-
-
-def create_read_items_for_chunk_list(
-    fqn: str,
-    checkpoint_md: TensorStorageMetadata,
-    local_chunks: list[ChunkStorageMetadata],
-    *,
-    _index: OverlapIndex | None = None,
-) -> list[ReadItem]:
-    """The reads that fill ``local_chunks`` from the saved chunks of ``fqn``.
-
-    One ReadItem per (local chunk, saved chunk) pair that shares at least one
-    element, with offsets relative to each chunk, in torch's order: local
-    chunks by their start along the sweep dim, then saved chunks by their
-    end along it. Overlaps are found with an OverlapIndex over the saved
-    chunks (a single saved chunk is handled directly).
-    """
-    saved = checkpoint_md.chunks
-    if not local_chunks or not saved:
-        return []
-    if len(saved) == 1 and len(local_chunks) == 1:
-        item = _same_box_read(fqn, saved[0], local_chunks[0])
-        if item is not None:
-            return [item]
-    ndim = len(local_chunks[0].offsets)
-    # The saved boxes as arrays, read in C (every saved chunk is looked at
-    # once, for about 0.1 us; torch sorts them all in Python per call).
-    arrays = None
-    if ndim and len(saved) > 1 and _index is None:
-        try:
-            arrays = chunk_arrays(saved, ndim)
-        except (AttributeError, OverflowError, TypeError, ValueError):
-            arrays = None
-    ends = None
-    if arrays is not None and ndim > 1:
-        ends = np.maximum((arrays[0] + arrays[1]).max(axis=0), 0).tolist()
-    d = _sweep_dim(local_chunks, saved, ndim, ends)
-    if ndim == 0:
-        local_order: Sequence[int] = range(len(local_chunks))
-    else:
-        local_order = sorted(range(len(local_chunks)), key=lambda i: local_chunks[i].offsets[d])
-    if len(saved) == 1:
-        hits = [_single_overlap(saved[0], local_chunks[i]) for i in local_order]
-    else:
-        requests = [(local_chunks[i].offsets, local_chunks[i].sizes) for i in local_order]
-        found = None
-        if arrays is not None and len(requests) <= _SCAN_MAX:
-            found = _scan_overlaps(arrays[0], arrays[1], requests)
-        if found is not None:
-            hits = found
-        else:
-            if _index is not None:
-                index = _index
-            elif arrays is not None:
-                index = OverlapIndex.from_arrays(*arrays)
-            else:
-                index = OverlapIndex([(c.offsets, c.sizes) for c in saved], ndim=ndim)
-            hits = index.query_many(requests)
-    items: list[ReadItem] = []
-    for li, overlaps in zip(local_order, hits):
-        local = local_chunks[li]
-        if ndim and len(overlaps) > 1:
-            overlaps = sorted(overlaps, key=lambda o: (
-                saved[o[0]].offsets[d] + saved[o[0]].sizes[d], o[0]))
-        dest_index = MetadataIndex(fqn, local.offsets, li)
-        for si, soff, doff, lengths in overlaps:
-            items.append(ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=dest_index,
-                dest_offsets=to_size(doff),
-                storage_index=MetadataIndex(fqn, saved[si].offsets, si),
-                storage_offsets=to_size(soff),
-                lengths=to_size(lengths),
-            ))
-    return items
-
-
-def _same_box_read(fqn: str, saved: ChunkStorageMetadata,
-                   local: ChunkStorageMetadata) -> ReadItem | None:
-    """The one read of a whole saved chunk into the same box (a plain
-    tensor loaded at the world size it was saved at: the common case, which
-    the general path spends tens of microseconds on); None for any other
-    pair, and for an empty box (no element: no read)."""
-    sizes = tuple(saved.sizes)
-    if (tuple(local.sizes) != sizes or tuple(local.offsets) != tuple(saved.offsets)
-            or not all(n > 0 for n in sizes)):
-        return None
-    zeros = to_size((0,) * len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR,
-                    dest_index=MetadataIndex(fqn, local.offsets, 0),
-                    dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, saved.offsets, 0),
-                    storage_offsets=zeros,
-                    lengths=to_size(sizes))
-
-
-# Up to this many destination chunks (a DTensor has one) the saved boxes are
-# scanned with NumPy instead of indexed: building a GeomIndex costs ~0.4 us a
-# box, a scan a few nanoseconds a box per destination chunk.
-_SCAN_MAX = 4
-_SCAN_LIMIT = 1 << 62  # offsets and sizes below this add up without overflow
-
-
-def _scan_overlaps(offsets: Any, sizes: Any, requests: list[Any]) -> list[list[Any]] | None:
-    """OverlapIndex.query_many's answer for a few requests, by comparing each
-    with every saved box in NumPy: the saved boxes sharing an element with
-    it, in ascending index, as (index, saved offset, request offset,
-    lengths). None when a value is negative or near int64's limit (the
-    index then answers, or refuses the box, as before)."""
-    if len(offsets) and (int(offsets.min()) < 0 or int(sizes.min()) < 0
-                         or int(offsets.max()) >= _SCAN_LIMIT
-                         or int(sizes.max()) >= _SCAN_LIMIT):
-        return None
-    ndim = offsets.shape[1]
-    ends = offsets + sizes
-    # Column by column: NumPy reduces along a short axis slowly.
-    nonempty = np.logical_and.reduce([sizes[:, d] > 0 for d in range(ndim)])
-    out = []
-    for off, size in requests:
-        if len(off) != ndim or len(size) != ndim:
-            return None
-        if min(off) < 0 or min(size) < 0 or max(off) >= _SCAN_LIMIT or max(size) >= _SCAN_LIMIT:
-            return None
-        lo = np.array(off, dtype=np.int64)
-        hi = lo + np.array(size, dtype=np.int64)
-        if min(size) == 0:
-            out.append([])
-            continue
-        hit = nonempty.copy()
-        for d in range(ndim):
-            hit &= offsets[:, d] < hi[d]
-            hit &= ends[:, d] > lo[d]
-        idx = np.flatnonzero(hit)
-        start = np.maximum(offsets[idx], lo)
-        lengths = np.minimum(ends[idx], hi) - start
-        out.append(list(zip(idx.tolist(), map(tuple, (start - offsets[idx]).tolist()),
-                            map(tuple, (start - lo).tolist()), map(tuple, lengths.tolist()))))
-    return out
-
-
-def _single_overlap(saved: ChunkStorageMetadata, local: ChunkStorageMetadata) -> list[Any]:
-    """[(0, saved_offset, local_offset, lengths)] when the boxes share an element."""
-    soff, loff, lens = [], [], []
-    for so, sn, lo, ln in zip(saved.offsets, saved.sizes, local.offsets, local.sizes):
-        n = min(so + sn, lo + ln) - max(so, lo)
-        if n <= 0:
-            return []
-        soff.append(max(lo - so, 0))
-        loff.append(max(so - lo, 0))
-        lens.append(n)
-    return [(0, soff, loff, lens)]
 
 
 def _missing_key_error(fqn: str, state_dict: dict[str, Any], metadata: Metadata) -> RuntimeError:
