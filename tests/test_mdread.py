@@ -258,7 +258,7 @@ def test_left_to_the_reference() -> None:
     deep_list: Any = []
     for _ in range(80):
         deep_list = [deep_list]
-    for planner in (collections_od(), np.arange(3), pathlib.PurePosixPath("/a"), {1, 2},
+    for planner in (collections_od(), np.arange(3), {1, 2},
                     2 ** 64, bytearray(b"x"), cyc, deep_list, _Evil()):
         check(pickle.dumps(_md_with(planner)), served=False)
     # a key twice in a dict: the reference merges before it builds
@@ -268,9 +268,7 @@ def test_left_to_the_reference() -> None:
     md.storage_data = {tmd.MetadataIndex("fqnA"): _StorageInfo("p", 0, 1),
                        tmd.MetadataIndex("fqnB"): _StorageInfo("q", 0, 2)}
     check(pickle.dumps(md).replace(b"fqnB", b"fqnA"), served=False)
-    # a Path checkpoint_id, an unknown field (newer torch), a chunk outside its tensor
-    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(pathlib.PurePosixPath("/c")))),
-          served=False)
+    # an unknown field (newer torch), a chunk outside its tensor
     md = _md_with()
     md.newer_field = 1  # type: ignore[attr-defined]
     check(pickle.dumps(md), served=False)
@@ -372,3 +370,73 @@ def test_classes_with_descriptors_are_left_to_the_reference() -> None:
     assert not fastread._plain_attrs(WithSlots, frozenset({"fqn"}))
     assert fastread._plain_attrs(Plain, frozenset({"fqn"}))
     assert fastread._plain_attrs(tmd.MetadataIndex, B._F_INDEX.known)
+
+
+# --------------------------------------------------------------------------
+# Paths (every save's StorageMeta.checkpoint_id) and buffers
+# --------------------------------------------------------------------------
+
+
+class _PathOf:
+    """Pickles as pathlib.<cls>(*parts), whatever the parts."""
+
+    def __init__(self, cls: type, *parts: Any) -> None:
+        self.cls, self.parts = cls, parts
+
+    def __reduce__(self) -> Any:
+        return (self.cls, self.parts)
+
+
+def test_path_forms_served_as_the_reference_makes_them() -> None:
+    p = pathlib.PosixPath("/ckpt", "step_1")
+    for cid in (p, pathlib.PurePosixPath("rel/x"), pathlib.PureWindowsPath("C:/a/b"),
+                pathlib.PurePosixPath(), "as/str"):
+        md = _md_with(storage_meta=tmd.StorageMeta(cid, "s", None, ["m"]))
+        for data in (pickle.dumps(md), pickle.dumps(md, protocol=3), _pickle.dumps_metadata(md)):
+            got = check(data, served=True)
+            assert type(got.storage_meta.checkpoint_id) is type(cid)
+            assert got.storage_meta.checkpoint_id == cid
+    # the names of other platforms (protocol 3: GLOBAL, renamed in place)
+    base = pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(pathlib.PurePosixPath("/c"))),
+                        protocol=3)
+    for name, want in ((b"WindowsPath", B.path_class("WindowsPath")),
+                       (b"Path", B.path_class("Path")),
+                       (b"PureWindowsPath", pathlib.PureWindowsPath)):
+        data = base.replace(b"pathlib\nPurePosixPath\n", b"pathlib\n" + name + b"\n")
+        assert data != base
+        got = check(data, served=True)
+        assert type(got.storage_meta.checkpoint_id) is want
+    # a path anywhere the reference admits one, shared through the memo
+    got = check(pickle.dumps(_md_with({"a": p, "b": p, "c": [p]})), served=True)
+    assert got.planner_data["a"] is got.planner_data["b"] is got.planner_data["c"][0]
+    # what the reference refuses: parts not str, a Path where a str must be
+    check(pickle.dumps(_md_with({"a": _PathOf(pathlib.PurePosixPath, "a", 1)})), served=False)
+    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(
+        _PathOf(pathlib.PurePosixPath, b"x")))), served=False)
+    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta("c", p))), served=False)
+
+
+def test_any_buffer_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bytes, bytearray, memoryview and a MappedFile, big enough for the
+    decode without the GIL; the mapping is released after the call."""
+    from shardstate import io as ssio
+
+    md = random_metadata(random.Random(2))
+    md.state_dict_metadata["big"] = tmd.TensorStorageMetadata(
+        tmd.TensorProperties(torch.float32), torch.Size([4000, 2]),
+        [tmd.ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 2])) for i in range(4000)])
+    data = pickle.dumps(md)
+    assert len(data) >= 65536
+    (tmp_path / "md").write_bytes(data)
+    want = deep(_pickle._reference(data))
+
+    def refuse(data: Any) -> Any:
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_pickle, "_reference", refuse)
+    with ssio.map_file(tmp_path / "md") as mf:
+        for buf in (data, bytearray(data), memoryview(data), mf):
+            assert deep(_pickle.loads_metadata(buf)) == want
+        mf.close()  # no view of it outlives the call
+    with pytest.raises(TypeError, match="bytes-like"):
+        _pickle.loads_metadata("not a buffer")

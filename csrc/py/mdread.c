@@ -10,7 +10,8 @@
  * (unpickler.py + build.py) would give, or None: "not recognised, ask the
  * reference", which then decides, errors included. So anything unusual
  * gives None rather than an error: a global outside the small set decoded
- * here (the metadata classes, torch.Size, dtypes, layouts, memory formats),
+ * here (the metadata classes, torch.Size, dtypes, layouts, memory formats,
+ * the pathlib classes),
  * a state dict with a field the class does not know or a key twice, a dict
  * whose built keys collide, a value shared with itself (a cycle), nesting
  * past FAST_DEPTH_MAX, an int beyond int64, a string that is not UTF-8. Every
@@ -20,7 +21,8 @@
  * The context (ctx) comes from fastread.py, made for each call:
  *   (classes, globals, tp_defaults, size_type, memory_formats)
  * classes: the 8 metadata classes in CLS_* order; globals: {(module, name):
- * (code, obj)}; tp_defaults: TensorProperties().__dict__; size_type:
+ * (code, obj)}, obj the value a global stands for (for a pathlib class, the
+ * class build.py makes); tp_defaults: TensorProperties().__dict__; size_type:
  * torch.Size, or None (sizes are tuples); memory_formats: the 3 memory
  * formats _MEM_FORMAT_ENCODING 0..2 name. */
 #include "module.h"
@@ -47,7 +49,8 @@ enum {
     G_DTYPE,
     G_MEMFMT,
     G_LAYOUT,
-    G_MEMENC
+    G_MEMENC,
+    G_PATH
 };
 
 /* The field names of every class, one table; F_* index it. */
@@ -142,6 +145,7 @@ static int64_t ival(const ss_md_node *n)
 }
 
 static PyObject *value(bld *b, uint32_t i);
+static PyObject *container(bld *b, const ss_md_node *n);
 
 static PyObject *str_obj(const bld *b, const ss_md_node *n)
 {
@@ -184,7 +188,7 @@ static int global(bld *b, uint32_t i, PyObject **obj)
     }
     code = PyLong_AsLong(PyTuple_GET_ITEM(hit, 0));
     *obj = PyTuple_GET_ITEM(hit, 1);
-    return code < 0 || code > G_MEMENC ? -1 : (int)code;
+    return code < 0 || code > G_PATH ? -1 : (int)code;
 }
 
 /* The class code of a NEWOBJ node made with no arguments; -1 otherwise. */
@@ -260,6 +264,24 @@ static PyObject *size_obj(bld *b, uint32_t i)
         PyTuple_SET_ITEM(t, k, v);
     }
     return t;
+}
+
+/* pathlib.<cls>(*parts) (allowlist.py's _path_ctor: parts must be str)
+ * as build.py makes it: obj is the class build.path_class gives; NULL
+ * otherwise. */
+static PyObject *path_obj(bld *b, uint32_t i)
+{
+    const ss_md_node *args;
+    PyObject *cls = NULL, *parts, *out;
+    if (call_of(b, i, &args, &cls) != G_PATH || !PyType_Check(cls))
+        return NULL;
+    for (uint32_t k = 0; k < args->b; k++)
+        if (N(b, kids(b, args)[k])->kind != SS_MD_STR)
+            return NULL;
+    parts = container(b, args);
+    out = parts ? PyObject_Call(cls, parts, NULL) : NULL;
+    Py_XDECREF(parts);
+    return out;
 }
 
 /* A state (None, absent or a dict of str keys) into slots: -1 for a key
@@ -572,9 +594,12 @@ static PyObject *build_index(bld *b, const fields *f)
 static PyObject *build_storage_meta(bld *b, const fields *f)
 {
     const ss_md_node *mods = field(b, f, F_MODULES);
-    PyObject *d;
+    PyObject *d, *unused;
+    const ss_md_node *args;
     PyObject *vals[NFIELDS] = {0};
-    if (!str_or_none(field(b, f, F_CKPT)) ||
+    /* checkpoint_id: a str, or the Path every save writes */
+    if ((!str_or_none(field(b, f, F_CKPT)) &&
+         call_of(b, f->node[F_CKPT], &args, &unused) != G_PATH) ||
         !str_or_none(field(b, f, F_SAVE)) || !str_or_none(field(b, f, F_LOAD)))
         return NULL;
     if (mods != NULL) {
@@ -713,6 +738,8 @@ static PyObject *value_(bld *b, uint32_t i)
         code = call_of(b, i, &args, &obj);
         if (code == G_SIZE)
             return size_obj(b, i);
+        if (code == G_PATH)
+            return path_obj(b, i);
         return code == G_LAYOUT ? prop(b, F_LAYOUT, i) : NULL;
     default:
         return NULL;
@@ -837,7 +864,10 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     ss_errinfo_clear(&err);
-    if (view.len >= MD_NOGIL_MIN) {
+    /* The view keeps the buffer mapped and its size fixed while the GIL is
+     * released; a writable one (a bytearray) could still change under the
+     * decoder, so it is decoded with the GIL held. */
+    if (view.len >= MD_NOGIL_MIN && view.readonly) {
         Py_BEGIN_ALLOW_THREADS
             rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
         Py_END_ALLOW_THREADS
