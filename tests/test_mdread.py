@@ -440,3 +440,71 @@ def test_any_buffer_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPat
         mf.close()  # no view of it outlives the call
     with pytest.raises(TypeError, match="bytes-like"):
         _pickle.loads_metadata("not a buffer")
+
+
+# --------------------------------------------------------------------------
+# Real checkpoints, read the way a load reads them
+# --------------------------------------------------------------------------
+
+
+def _real_sd(world: int) -> dict:
+    sd: dict[str, Any] = {"w": torch.arange(12.0).reshape(3, 4), "step": 3, "blob": b"abc",
+                          "nested": {"lr": 0.1, "bufs": [torch.ones(2)], "name": "x"}}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        sd["d"] = distribute_tensor(torch.arange(10.0), mesh, [Shard(0)], src_data_rank=None)
+    return sd
+
+
+def _save_real(rank: int, world: int, root: str) -> None:
+    import shardstate.checkpoint as dcp
+    import torch.distributed.checkpoint as tdcp
+
+    sd = _real_sd(world)
+    dcp.save(sd, checkpoint_id=f"{root}/ss_{world}")
+    tdcp.save(sd, checkpoint_id=pathlib.Path(root, f"t_{world}"))
+    dcp.async_save(sd, checkpoint_id=f"{root}/ssa_{world}").result()
+    tdcp.async_save(sd, checkpoint_id=f"{root}/ta_{world}").result()
+
+
+def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                 run_distributed: Any) -> None:
+    """What torch and shardstate save (1 and 2 ranks, DTensor, bytes items,
+    nested planner_data, async_save, torch's zstd _extensions, shardstate's
+    crc32) is read by FileSystemReader.read_metadata through the fast path
+    alone, equal to the reference's answer."""
+    import shardstate.checkpoint as dcp
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    run_distributed(_save_real, 2, str(tmp_path))
+    sd = _real_sd(1)
+    with pytest.warns(UserWarning, match="single process"):
+        tdcp.save(sd, checkpoint_id=tmp_path / "t_1")
+        tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp_path / "tz_1",
+                                                           _extensions=[ZStandard()]))
+    dcp.save(sd, checkpoint_id=tmp_path / "ss_1")
+    dirs = sorted(tmp_path.iterdir())
+    assert len(dirs) == 7
+    want = {}
+    for d in dirs:
+        md = _pickle._reference((d / ".metadata").read_bytes())
+        md.storage_meta.load_id = "L"
+        want[d.name] = deep(md)
+        assert isinstance(md.storage_meta.checkpoint_id, pathlib.PurePath), d.name
+    infos = [i for d in dirs for i in _pickle._reference((d / ".metadata").read_bytes())
+             .storage_data.values()]
+    assert any(getattr(i, "shardstate_crc32", None) is not None for i in infos)
+    assert any(getattr(i, "transform_descriptors", None) for i in infos)
+
+    def refuse(data: Any) -> Any:
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_pickle, "_reference", refuse)
+    for d in dirs:
+        reader = dcp.FileSystemReader(d)
+        reader.load_id = "L"
+        assert deep(reader.read_metadata()) == want[d.name], d.name
