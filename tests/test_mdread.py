@@ -57,6 +57,30 @@ def reference(data: bytes) -> Any:
         return (type(e), str(e))
 
 
+def sharing(x: Any, seen: dict[int, int] | None = None) -> Any:
+    """x's graph with each container, Size, path and metadata object met
+    again replaced by the order it was first met in: which are one object."""
+    seen = {} if seen is None else seen
+    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.layout,
+                                   torch.memory_format)):
+        return None
+    if id(x) in seen:
+        return ("again", seen[id(x)])
+    seen[id(x)] = len(seen)
+    if isinstance(x, (list, tuple)):
+        return [sharing(v, seen) for v in x]
+    if isinstance(x, dict):
+        return [(sharing(k, seen), sharing(v, seen)) for k, v in x.items()]
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        return [sharing(v, seen) for v in vars(x).values()]
+    return None
+
+
+def same_sharing(a: Any, b: Any) -> bool:
+    """Whether a and b share objects alike."""
+    return sharing(a) == sharing(b)
+
+
 def check(data: bytes, served: bool | None = None) -> Any:
     """The fast path agrees with the reference on data (and loads_metadata
     with both); served: whether the fast path must take it (True) or must
@@ -67,6 +91,8 @@ def check(data: bytes, served: bool | None = None) -> Any:
         assert (fast is not None) == served, (served, ref)
     if fast is not None:
         assert ref == ("ok", deep(fast))
+        # and the same objects shared (pickle's memo shows which are one)
+        assert same_sharing(fast, _pickle._reference(data))
     try:
         got = ("ok", deep(_pickle.loads_metadata(data)))
     except (UnsafePickleError, PickleFormatError) as e:
@@ -489,11 +515,12 @@ def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.Mon
     dcp.save(sd, checkpoint_id=tmp_path / "ss_1")
     dirs = sorted(tmp_path.iterdir())
     assert len(dirs) == 7
-    want = {}
+    want, want_bytes = {}, {}
     for d in dirs:
         md = _pickle._reference((d / ".metadata").read_bytes())
         md.storage_meta.load_id = "L"
         want[d.name] = deep(md)
+        want_bytes[d.name] = _pickle.dumps_metadata(md)
         assert isinstance(md.storage_meta.checkpoint_id, pathlib.PurePath), d.name
     infos = [i for d in dirs for i in _pickle._reference((d / ".metadata").read_bytes())
              .storage_data.values()]
@@ -507,4 +534,23 @@ def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.Mon
     for d in dirs:
         reader = dcp.FileSystemReader(d)
         reader.load_id = "L"
-        assert deep(reader.read_metadata()) == want[d.name], d.name
+        got = reader.read_metadata()
+        assert deep(got) == want[d.name], d.name
+        # what the stream shares (torch.Size objects) is shared alike:
+        # written back, the same bytes as the reference's Metadata
+        assert _pickle.dumps_metadata(got) == want_bytes[d.name], d.name
+
+
+def test_shared_objects_stay_shared() -> None:
+    """A Size used twice (a chunk the size of its tensor) and a key named as
+    a field ("size", interned, so one object with the attribute name) are
+    one object each, as in the reference: written back, the same bytes."""
+    md = _md_with({"size": ("size", "offsets"), "fqn": "w"})
+    t = md.state_dict_metadata["w"]
+    t.chunks[0].sizes = t.size
+    md.state_dict_metadata["size"] = tmd.BytesStorageMetadata()
+    data = pickle.dumps(md)
+    assert data.count(b"\x8c\x04size") == 1  # the pickler wrote it once
+    got = check(data, served=True)
+    assert got.state_dict_metadata["w"].chunks[0].sizes is got.state_dict_metadata["w"].size
+    assert _pickle.dumps_metadata(got) == data == _pickle.dumps_metadata(_pickle._reference(data))

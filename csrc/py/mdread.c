@@ -113,6 +113,7 @@ typedef struct bld {
     const char *data;
     PyObject **cache; /* per share slot: the built value */
     uint8_t *active;  /* per share slot: being built (a cycle if met) */
+    uint8_t *keyof;   /* per share slot: field id + 1 of a state key, or 0 */
     PyObject *classes[NCLS];
     PyObject *globals, *tp_defaults, *size_type, *memfmt[3];
     PyObject *names[NFIELDS];
@@ -264,6 +265,17 @@ static PyObject *size_obj(bld *b, uint32_t i)
         PyTuple_SET_ITEM(t, k, v);
     }
     return t;
+}
+
+/* A torch.Size field: size_obj through the node's share slot, so a Size
+ * the stream shares (torch's pickle of one object used twice, as a chunk's
+ * sizes and its tensor's size) is one object, as build.py's size() makes
+ * it; NULL for any other node. */
+static PyObject *size_val(bld *b, uint32_t i)
+{
+    const uint32_t *dims;
+    uint32_t nd;
+    return size_dims(b, i, &dims, &nd) < 0 ? NULL : value(b, i);
 }
 
 /* pathlib.<cls>(*parts) (allowlist.py's _path_ctor: parts must be str)
@@ -441,8 +453,8 @@ static PyObject *build_chunk(bld *b, const fields *f)
         size_dims(b, f->node[F_SIZES], &d2, &n2) < 0 || n1 != n2)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_OFFSETS] = size_obj(b, f->node[F_OFFSETS]);
-    vals[F_SIZES] = vals[F_OFFSETS] ? size_obj(b, f->node[F_SIZES]) : NULL;
+    vals[F_OFFSETS] = size_val(b, f->node[F_OFFSETS]);
+    vals[F_SIZES] = vals[F_OFFSETS] ? size_val(b, f->node[F_SIZES]) : NULL;
     if (vals[F_SIZES] == NULL) {
         Py_XDECREF(vals[F_OFFSETS]);
         return NULL;
@@ -493,7 +505,7 @@ static PyObject *build_tensor(bld *b, const fields *f)
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_SIZE] = size_obj(b, f->node[F_SIZE]);
+    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
     if (vals[F_SIZE] == NULL)
         return NULL;
     return make(b, CLS_TENSOR, f, vals);
@@ -586,7 +598,7 @@ static PyObject *build_index(bld *b, const fields *f)
         !(idx == NULL || idx->kind == SS_MD_INT || idx->kind == SS_MD_NONE))
         return NULL;
     if (off != NULL && off->kind != SS_MD_NONE &&
-        (vals[F_OFFSET] = size_obj(b, f->node[F_OFFSET])) == NULL)
+        (vals[F_OFFSET] = size_val(b, f->node[F_OFFSET])) == NULL)
         return NULL;
     return make(b, CLS_INDEX, f, vals);
 }
@@ -721,6 +733,10 @@ static PyObject *value_(bld *b, uint32_t i)
         return PyFloat_FromDouble(d);
     }
     case SS_MD_STR:
+        /* a string the stream shares with a state key is the attribute
+         * name itself, as in the reference (which sets the stream's key) */
+        if (n->share && b->keyof[n->share])
+            return Py_NewRef(b->names[b->keyof[n->share] - 1]);
         return str_obj(b, n);
     case SS_MD_BYTES:
         return PyBytes_FromStringAndSize(b->data + n->a, (Py_ssize_t)n->b);
@@ -776,6 +792,34 @@ static PyObject *value(bld *b, uint32_t i)
     return out;
 }
 
+/* Marks the shared string nodes used as a state dict's key with the field
+ * they name: one pass over the table, each slot matched once. */
+static void mark_keys(bld *b)
+{
+    uint8_t *seen = b->active; /* free until the walk; cleared after */
+    for (size_t i = 0; i < b->r->nnodes; i++) {
+        const ss_md_node *n = &b->r->nodes[i], *d;
+        if (n->kind != SS_MD_NEWOBJ || n->c == 0)
+            continue;
+        d = N(b, n->c - 1);
+        if (d->kind != SS_MD_DICT)
+            continue;
+        for (uint32_t p = 0; p < d->b; p++) {
+            const ss_md_node *key = N(b, kids(b, d)[2 * p]);
+            uint32_t s = key->share;
+            if (key->kind != SS_MD_STR || s == 0 || seen[s])
+                continue;
+            seen[s] = 1;
+            for (int id = 0; id < NFIELDS; id++)
+                if (str_is(b, key, field_names[id])) {
+                    b->keyof[s] = (uint8_t)(id + 1);
+                    break;
+                }
+        }
+    }
+    memset(seen, 0, (size_t)b->r->shared + 1);
+}
+
 static int unpack_ctx(bld *b, PyObject *ctx)
 {
     PyObject *cls, *mf;
@@ -820,14 +864,17 @@ static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx)
         return NULL;
     b.cache = PyMem_Calloc((size_t)r->shared + 1, sizeof *b.cache);
     b.active = PyMem_Calloc((size_t)r->shared + 1, 1);
+    b.keyof = PyMem_Calloc((size_t)r->shared + 1, 1);
     b.empty = PyTuple_New(0);
-    if (b.cache == NULL || b.active == NULL || b.empty == NULL) {
+    if (b.cache == NULL || b.active == NULL || b.keyof == NULL ||
+        b.empty == NULL) {
         PyErr_NoMemory();
         goto out;
     }
     for (int j = 0; j < NFIELDS; j++)
         if ((b.names[j] = PyUnicode_InternFromString(field_names[j])) == NULL)
             goto out;
+    mark_keys(&b);
     if (obj_class(&b, r->root) == CLS_METADATA)
         out = value(&b, r->root);
     if (out == NULL) {
@@ -840,6 +887,7 @@ out:
             Py_XDECREF(b.cache[s]);
     PyMem_Free(b.cache);
     PyMem_Free(b.active);
+    PyMem_Free(b.keyof);
     Py_XDECREF(b.empty);
     for (int j = 0; j < NFIELDS; j++)
         Py_XDECREF(b.names[j]);
