@@ -492,8 +492,6 @@ def _save_real(rank: int, world: int, root: str) -> None:
     sd = _real_sd(world)
     dcp.save(sd, checkpoint_id=f"{root}/ss_{world}")
     tdcp.save(sd, checkpoint_id=pathlib.Path(root, f"t_{world}"))
-    dcp.async_save(sd, checkpoint_id=f"{root}/ssa_{world}").result()
-    tdcp.async_save(sd, checkpoint_id=f"{root}/ta_{world}").result()
 
 
 def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
@@ -512,7 +510,9 @@ def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.Mon
         tdcp.save(sd, checkpoint_id=tmp_path / "t_1")
         tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp_path / "tz_1",
                                                            _extensions=[ZStandard()]))
+        tdcp.async_save(sd, checkpoint_id=tmp_path / "ta_1").result()
     dcp.save(sd, checkpoint_id=tmp_path / "ss_1")
+    dcp.async_save(sd, checkpoint_id=tmp_path / "ssa_1").result()
     dirs = sorted(tmp_path.iterdir())
     assert len(dirs) == 7
     want, want_bytes = {}, {}
