@@ -4,7 +4,8 @@
 
 A checkpoint's ``.metadata`` grows with tensors x ranks (one chunk per
 shard). For each size, one Metadata of 2-D tensors split in 64 row chunks
-(its storage_data included) is written and read, side by side in one run:
+(its storage_data included, and a StorageMeta with a Path checkpoint_id as
+every save writes) is written and read, side by side in one run:
 
   write   torch DCP: pickle.dumps of torch's classes; shardstate:
           _pickle.dumps_metadata (the same bytes: the C walk _core.md_dumps
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import pickle
 import statistics
 import subprocess
@@ -62,7 +64,12 @@ def _metadata(chunks: int, torch: Any = None) -> Any:
         for c in range(per):
             storage[smd.MetadataIndex(fqn, size([c * 64, 0]))] = smd._StorageInfo(
                 f"__{c}_0.distcp", i * 33_554_688, 33_554_688)
-    return smd.Metadata(state_dict_metadata=sdm, storage_data=storage, version="1.0.0")
+    # as every save writes it: checkpoint_id is the Path the save was given
+    meta = smd.StorageMeta(checkpoint_id=pathlib.Path("/checkpoints/run/step_1000"),
+                           save_id="0b4d3a4e-6f8e-4a57-9d1c-2f1e5f0a7c11", load_id=None,
+                           modules=[])
+    return smd.Metadata(state_dict_metadata=sdm, storage_data=storage, storage_meta=meta,
+                        version="1.0.0")
 
 
 def _median(fn, repeat: int) -> float:
@@ -123,6 +130,8 @@ def main() -> int:
         back = _pickle.loads_metadata(data)
         if len(back.storage_data) != len(theirs.storage_data):
             raise AssertionError("shardstate's reader lost entries")
+        if _pickle.fastread._fast(data) is None:
+            raise AssertionError("the read row would time the reference, not the fast path")
         free_s, free_data = _torch_free(n, args.repeat)
         if free_data != data:
             raise AssertionError("the torch-free write differs from torch's pickle")

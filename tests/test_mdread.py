@@ -57,6 +57,30 @@ def reference(data: bytes) -> Any:
         return (type(e), str(e))
 
 
+def sharing(x: Any, seen: dict[int, int] | None = None) -> Any:
+    """x's graph with each container, Size, path and metadata object met
+    again replaced by the order it was first met in: which are one object."""
+    seen = {} if seen is None else seen
+    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.layout,
+                                   torch.memory_format)):
+        return None
+    if id(x) in seen:
+        return ("again", seen[id(x)])
+    seen[id(x)] = len(seen)
+    if isinstance(x, (list, tuple)):
+        return [sharing(v, seen) for v in x]
+    if isinstance(x, dict):
+        return [(sharing(k, seen), sharing(v, seen)) for k, v in x.items()]
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        return [sharing(v, seen) for v in vars(x).values()]
+    return None
+
+
+def same_sharing(a: Any, b: Any) -> bool:
+    """Whether a and b share objects alike."""
+    return sharing(a) == sharing(b)
+
+
 def check(data: bytes, served: bool | None = None) -> Any:
     """The fast path agrees with the reference on data (and loads_metadata
     with both); served: whether the fast path must take it (True) or must
@@ -67,6 +91,8 @@ def check(data: bytes, served: bool | None = None) -> Any:
         assert (fast is not None) == served, (served, ref)
     if fast is not None:
         assert ref == ("ok", deep(fast))
+        # and the same objects shared (pickle's memo shows which are one)
+        assert same_sharing(fast, _pickle._reference(data))
     try:
         got = ("ok", deep(_pickle.loads_metadata(data)))
     except (UnsafePickleError, PickleFormatError) as e:
@@ -258,7 +284,7 @@ def test_left_to_the_reference() -> None:
     deep_list: Any = []
     for _ in range(80):
         deep_list = [deep_list]
-    for planner in (collections_od(), np.arange(3), pathlib.PurePosixPath("/a"), {1, 2},
+    for planner in (collections_od(), np.arange(3), {1, 2},
                     2 ** 64, bytearray(b"x"), cyc, deep_list, _Evil()):
         check(pickle.dumps(_md_with(planner)), served=False)
     # a key twice in a dict: the reference merges before it builds
@@ -268,9 +294,7 @@ def test_left_to_the_reference() -> None:
     md.storage_data = {tmd.MetadataIndex("fqnA"): _StorageInfo("p", 0, 1),
                        tmd.MetadataIndex("fqnB"): _StorageInfo("q", 0, 2)}
     check(pickle.dumps(md).replace(b"fqnB", b"fqnA"), served=False)
-    # a Path checkpoint_id, an unknown field (newer torch), a chunk outside its tensor
-    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(pathlib.PurePosixPath("/c")))),
-          served=False)
+    # an unknown field (newer torch), a chunk outside its tensor
     md = _md_with()
     md.newer_field = 1  # type: ignore[attr-defined]
     check(pickle.dumps(md), served=False)
@@ -372,3 +396,161 @@ def test_classes_with_descriptors_are_left_to_the_reference() -> None:
     assert not fastread._plain_attrs(WithSlots, frozenset({"fqn"}))
     assert fastread._plain_attrs(Plain, frozenset({"fqn"}))
     assert fastread._plain_attrs(tmd.MetadataIndex, B._F_INDEX.known)
+
+
+# --------------------------------------------------------------------------
+# Paths (every save's StorageMeta.checkpoint_id) and buffers
+# --------------------------------------------------------------------------
+
+
+class _PathOf:
+    """Pickles as pathlib.<cls>(*parts), whatever the parts."""
+
+    def __init__(self, cls: type, *parts: Any) -> None:
+        self.cls, self.parts = cls, parts
+
+    def __reduce__(self) -> Any:
+        return (self.cls, self.parts)
+
+
+def test_path_forms_served_as_the_reference_makes_them() -> None:
+    p = pathlib.PosixPath("/ckpt", "step_1")
+    for cid in (p, pathlib.PurePosixPath("rel/x"), pathlib.PureWindowsPath("C:/a/b"),
+                pathlib.PurePosixPath(), "as/str"):
+        md = _md_with(storage_meta=tmd.StorageMeta(cid, "s", None, ["m"]))
+        for data in (pickle.dumps(md), pickle.dumps(md, protocol=3), _pickle.dumps_metadata(md)):
+            got = check(data, served=True)
+            assert type(got.storage_meta.checkpoint_id) is type(cid)
+            assert got.storage_meta.checkpoint_id == cid
+    # the names of other platforms (protocol 3: GLOBAL, renamed in place)
+    base = pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(pathlib.PurePosixPath("/c"))),
+                        protocol=3)
+    for name, want in ((b"WindowsPath", B.path_class("WindowsPath")),
+                       (b"Path", B.path_class("Path")),
+                       (b"PureWindowsPath", pathlib.PureWindowsPath)):
+        data = base.replace(b"pathlib\nPurePosixPath\n", b"pathlib\n" + name + b"\n")
+        assert data != base
+        got = check(data, served=True)
+        assert type(got.storage_meta.checkpoint_id) is want
+    # a path anywhere the reference admits one, shared through the memo
+    got = check(pickle.dumps(_md_with({"a": p, "b": p, "c": [p]})), served=True)
+    assert got.planner_data["a"] is got.planner_data["b"] is got.planner_data["c"][0]
+    # what the reference refuses: parts not str, a Path where a str must be
+    check(pickle.dumps(_md_with({"a": _PathOf(pathlib.PurePosixPath, "a", 1)})), served=False)
+    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta(
+        _PathOf(pathlib.PurePosixPath, b"x")))), served=False)
+    check(pickle.dumps(_md_with(storage_meta=tmd.StorageMeta("c", p))), served=False)
+
+
+def test_any_buffer_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bytes, bytearray, memoryview and a MappedFile, big enough for the
+    decode without the GIL; the mapping is released after the call."""
+    from shardstate import io as ssio
+
+    md = random_metadata(random.Random(2))
+    md.state_dict_metadata["big"] = tmd.TensorStorageMetadata(
+        tmd.TensorProperties(torch.float32), torch.Size([4000, 2]),
+        [tmd.ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 2])) for i in range(4000)])
+    data = pickle.dumps(md)
+    assert len(data) >= 65536
+    (tmp_path / "md").write_bytes(data)
+    want = deep(_pickle._reference(data))
+
+    def refuse(data: Any) -> Any:
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_pickle, "_reference", refuse)
+    with ssio.map_file(tmp_path / "md") as mf:
+        for buf in (data, bytearray(data), memoryview(data), mf):
+            assert deep(_pickle.loads_metadata(buf)) == want
+        mf.close()  # no view of it outlives the call
+    with pytest.raises(TypeError, match="bytes-like"):
+        _pickle.loads_metadata("not a buffer")
+
+
+# --------------------------------------------------------------------------
+# Real checkpoints, read the way a load reads them
+# --------------------------------------------------------------------------
+
+
+def _real_sd(world: int) -> dict:
+    sd: dict[str, Any] = {"w": torch.arange(12.0).reshape(3, 4), "step": 3, "blob": b"abc",
+                          "nested": {"lr": 0.1, "bufs": [torch.ones(2)], "name": "x"}}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        sd["d"] = distribute_tensor(torch.arange(10.0), mesh, [Shard(0)], src_data_rank=None)
+    return sd
+
+
+def _save_real(rank: int, world: int, root: str) -> None:
+    import shardstate.checkpoint as dcp
+    import torch.distributed.checkpoint as tdcp
+
+    sd = _real_sd(world)
+    dcp.save(sd, checkpoint_id=f"{root}/ss_{world}")
+    tdcp.save(sd, checkpoint_id=pathlib.Path(root, f"t_{world}"))
+
+
+def test_real_checkpoints_served(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                 run_distributed: Any) -> None:
+    """What torch and shardstate save (1 and 2 ranks, DTensor, bytes items,
+    nested planner_data, async_save, torch's zstd _extensions, shardstate's
+    crc32) is read by FileSystemReader.read_metadata through the fast path
+    alone, equal to the reference's answer."""
+    import shardstate.checkpoint as dcp
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    run_distributed(_save_real, 2, str(tmp_path))
+    sd = _real_sd(1)
+    with pytest.warns(UserWarning, match="single process"):
+        tdcp.save(sd, checkpoint_id=tmp_path / "t_1")
+        tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp_path / "tz_1",
+                                                           _extensions=[ZStandard()]))
+        tdcp.async_save(sd, checkpoint_id=tmp_path / "ta_1").result()
+    dcp.save(sd, checkpoint_id=tmp_path / "ss_1")
+    dcp.async_save(sd, checkpoint_id=tmp_path / "ssa_1").result()
+    dirs = sorted(tmp_path.iterdir())
+    assert len(dirs) == 7
+    want, want_bytes = {}, {}
+    for d in dirs:
+        md = _pickle._reference((d / ".metadata").read_bytes())
+        md.storage_meta.load_id = "L"
+        want[d.name] = deep(md)
+        want_bytes[d.name] = _pickle.dumps_metadata(md)
+        assert isinstance(md.storage_meta.checkpoint_id, pathlib.PurePath), d.name
+    infos = [i for d in dirs for i in _pickle._reference((d / ".metadata").read_bytes())
+             .storage_data.values()]
+    assert any(getattr(i, "shardstate_crc32", None) is not None for i in infos)
+    assert any(getattr(i, "transform_descriptors", None) for i in infos)
+
+    def refuse(data: Any) -> Any:
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(_pickle, "_reference", refuse)
+    for d in dirs:
+        reader = dcp.FileSystemReader(d)
+        reader.load_id = "L"
+        got = reader.read_metadata()
+        assert deep(got) == want[d.name], d.name
+        # what the stream shares (torch.Size objects) is shared alike:
+        # written back, the same bytes as the reference's Metadata
+        assert _pickle.dumps_metadata(got) == want_bytes[d.name], d.name
+
+
+def test_shared_objects_stay_shared() -> None:
+    """A Size used twice (a chunk the size of its tensor) and a key named as
+    a field ("size", interned, so one object with the attribute name) are
+    one object each, as in the reference: written back, the same bytes."""
+    md = _md_with({"size": ("size", "offsets"), "fqn": "w"})
+    t = md.state_dict_metadata["w"]
+    t.chunks[0].sizes = t.size
+    md.state_dict_metadata["size"] = tmd.BytesStorageMetadata()
+    data = pickle.dumps(md)
+    assert data.count(b"\x8c\x04size") == 1  # the pickler wrote it once
+    got = check(data, served=True)
+    assert got.state_dict_metadata["w"].chunks[0].sizes is got.state_dict_metadata["w"].size
+    assert _pickle.dumps_metadata(got) == data == _pickle.dumps_metadata(_pickle._reference(data))

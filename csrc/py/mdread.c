@@ -10,7 +10,8 @@
  * (unpickler.py + build.py) would give, or None: "not recognised, ask the
  * reference", which then decides, errors included. So anything unusual
  * gives None rather than an error: a global outside the small set decoded
- * here (the metadata classes, torch.Size, dtypes, layouts, memory formats),
+ * here (the metadata classes, torch.Size, dtypes, layouts, memory formats,
+ * the pathlib classes),
  * a state dict with a field the class does not know or a key twice, a dict
  * whose built keys collide, a value shared with itself (a cycle), nesting
  * past FAST_DEPTH_MAX, an int beyond int64, a string that is not UTF-8. Every
@@ -20,7 +21,8 @@
  * The context (ctx) comes from fastread.py, made for each call:
  *   (classes, globals, tp_defaults, size_type, memory_formats)
  * classes: the 8 metadata classes in CLS_* order; globals: {(module, name):
- * (code, obj)}; tp_defaults: TensorProperties().__dict__; size_type:
+ * (code, obj)}, obj the value a global stands for (for a pathlib class, the
+ * class build.py makes); tp_defaults: TensorProperties().__dict__; size_type:
  * torch.Size, or None (sizes are tuples); memory_formats: the 3 memory
  * formats _MEM_FORMAT_ENCODING 0..2 name. */
 #include "module.h"
@@ -47,7 +49,8 @@ enum {
     G_DTYPE,
     G_MEMFMT,
     G_LAYOUT,
-    G_MEMENC
+    G_MEMENC,
+    G_PATH
 };
 
 /* The field names of every class, one table; F_* index it. */
@@ -110,6 +113,7 @@ typedef struct bld {
     const char *data;
     PyObject **cache; /* per share slot: the built value */
     uint8_t *active;  /* per share slot: being built (a cycle if met) */
+    uint8_t *keyof;   /* per share slot: field id + 1 of a state key, or 0 */
     PyObject *classes[NCLS];
     PyObject *globals, *tp_defaults, *size_type, *memfmt[3];
     PyObject *names[NFIELDS];
@@ -142,6 +146,7 @@ static int64_t ival(const ss_md_node *n)
 }
 
 static PyObject *value(bld *b, uint32_t i);
+static PyObject *container(bld *b, const ss_md_node *n);
 
 static PyObject *str_obj(const bld *b, const ss_md_node *n)
 {
@@ -184,7 +189,7 @@ static int global(bld *b, uint32_t i, PyObject **obj)
     }
     code = PyLong_AsLong(PyTuple_GET_ITEM(hit, 0));
     *obj = PyTuple_GET_ITEM(hit, 1);
-    return code < 0 || code > G_MEMENC ? -1 : (int)code;
+    return code < 0 || code > G_PATH ? -1 : (int)code;
 }
 
 /* The class code of a NEWOBJ node made with no arguments; -1 otherwise. */
@@ -260,6 +265,35 @@ static PyObject *size_obj(bld *b, uint32_t i)
         PyTuple_SET_ITEM(t, k, v);
     }
     return t;
+}
+
+/* A torch.Size field: size_obj through the node's share slot, so a Size
+ * the stream shares (torch's pickle of one object used twice, as a chunk's
+ * sizes and its tensor's size) is one object, as build.py's size() makes
+ * it; NULL for any other node. */
+static PyObject *size_val(bld *b, uint32_t i)
+{
+    const uint32_t *dims;
+    uint32_t nd;
+    return size_dims(b, i, &dims, &nd) < 0 ? NULL : value(b, i);
+}
+
+/* pathlib.<cls>(*parts) (allowlist.py's _path_ctor: parts must be str)
+ * as build.py makes it: obj is the class build.path_class gives; NULL
+ * otherwise. */
+static PyObject *path_obj(bld *b, uint32_t i)
+{
+    const ss_md_node *args;
+    PyObject *cls = NULL, *parts, *out;
+    if (call_of(b, i, &args, &cls) != G_PATH || !PyType_Check(cls))
+        return NULL;
+    for (uint32_t k = 0; k < args->b; k++)
+        if (N(b, kids(b, args)[k])->kind != SS_MD_STR)
+            return NULL;
+    parts = container(b, args);
+    out = parts ? PyObject_Call(cls, parts, NULL) : NULL;
+    Py_XDECREF(parts);
+    return out;
 }
 
 /* A state (None, absent or a dict of str keys) into slots: -1 for a key
@@ -419,8 +453,8 @@ static PyObject *build_chunk(bld *b, const fields *f)
         size_dims(b, f->node[F_SIZES], &d2, &n2) < 0 || n1 != n2)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_OFFSETS] = size_obj(b, f->node[F_OFFSETS]);
-    vals[F_SIZES] = vals[F_OFFSETS] ? size_obj(b, f->node[F_SIZES]) : NULL;
+    vals[F_OFFSETS] = size_val(b, f->node[F_OFFSETS]);
+    vals[F_SIZES] = vals[F_OFFSETS] ? size_val(b, f->node[F_SIZES]) : NULL;
     if (vals[F_SIZES] == NULL) {
         Py_XDECREF(vals[F_OFFSETS]);
         return NULL;
@@ -471,7 +505,7 @@ static PyObject *build_tensor(bld *b, const fields *f)
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_SIZE] = size_obj(b, f->node[F_SIZE]);
+    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
     if (vals[F_SIZE] == NULL)
         return NULL;
     return make(b, CLS_TENSOR, f, vals);
@@ -564,7 +598,7 @@ static PyObject *build_index(bld *b, const fields *f)
         !(idx == NULL || idx->kind == SS_MD_INT || idx->kind == SS_MD_NONE))
         return NULL;
     if (off != NULL && off->kind != SS_MD_NONE &&
-        (vals[F_OFFSET] = size_obj(b, f->node[F_OFFSET])) == NULL)
+        (vals[F_OFFSET] = size_val(b, f->node[F_OFFSET])) == NULL)
         return NULL;
     return make(b, CLS_INDEX, f, vals);
 }
@@ -572,9 +606,12 @@ static PyObject *build_index(bld *b, const fields *f)
 static PyObject *build_storage_meta(bld *b, const fields *f)
 {
     const ss_md_node *mods = field(b, f, F_MODULES);
-    PyObject *d;
+    PyObject *d, *unused;
+    const ss_md_node *args;
     PyObject *vals[NFIELDS] = {0};
-    if (!str_or_none(field(b, f, F_CKPT)) ||
+    /* checkpoint_id: a str, or the Path every save writes */
+    if ((!str_or_none(field(b, f, F_CKPT)) &&
+         call_of(b, f->node[F_CKPT], &args, &unused) != G_PATH) ||
         !str_or_none(field(b, f, F_SAVE)) || !str_or_none(field(b, f, F_LOAD)))
         return NULL;
     if (mods != NULL) {
@@ -696,6 +733,10 @@ static PyObject *value_(bld *b, uint32_t i)
         return PyFloat_FromDouble(d);
     }
     case SS_MD_STR:
+        /* a string the stream shares with a state key is the attribute
+         * name itself, as in the reference (which sets the stream's key) */
+        if (n->share && b->keyof[n->share])
+            return Py_NewRef(b->names[b->keyof[n->share] - 1]);
         return str_obj(b, n);
     case SS_MD_BYTES:
         return PyBytes_FromStringAndSize(b->data + n->a, (Py_ssize_t)n->b);
@@ -713,6 +754,8 @@ static PyObject *value_(bld *b, uint32_t i)
         code = call_of(b, i, &args, &obj);
         if (code == G_SIZE)
             return size_obj(b, i);
+        if (code == G_PATH)
+            return path_obj(b, i);
         return code == G_LAYOUT ? prop(b, F_LAYOUT, i) : NULL;
     default:
         return NULL;
@@ -747,6 +790,34 @@ static PyObject *value(bld *b, uint32_t i)
             b->cache[s] = Py_NewRef(out);
     }
     return out;
+}
+
+/* Marks the shared string nodes used as a state dict's key with the field
+ * they name: one pass over the table, each slot matched once. */
+static void mark_keys(bld *b)
+{
+    uint8_t *seen = b->active; /* free until the walk; cleared after */
+    for (size_t i = 0; i < b->r->nnodes; i++) {
+        const ss_md_node *n = &b->r->nodes[i], *d;
+        if (n->kind != SS_MD_NEWOBJ || n->c == 0)
+            continue;
+        d = N(b, n->c - 1);
+        if (d->kind != SS_MD_DICT)
+            continue;
+        for (uint32_t p = 0; p < d->b; p++) {
+            const ss_md_node *key = N(b, kids(b, d)[2 * p]);
+            uint32_t s = key->share;
+            if (key->kind != SS_MD_STR || s == 0 || seen[s])
+                continue;
+            seen[s] = 1;
+            for (int id = 0; id < NFIELDS; id++)
+                if (str_is(b, key, field_names[id])) {
+                    b->keyof[s] = (uint8_t)(id + 1);
+                    break;
+                }
+        }
+    }
+    memset(seen, 0, (size_t)b->r->shared + 1);
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -793,14 +864,17 @@ static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx)
         return NULL;
     b.cache = PyMem_Calloc((size_t)r->shared + 1, sizeof *b.cache);
     b.active = PyMem_Calloc((size_t)r->shared + 1, 1);
+    b.keyof = PyMem_Calloc((size_t)r->shared + 1, 1);
     b.empty = PyTuple_New(0);
-    if (b.cache == NULL || b.active == NULL || b.empty == NULL) {
+    if (b.cache == NULL || b.active == NULL || b.keyof == NULL ||
+        b.empty == NULL) {
         PyErr_NoMemory();
         goto out;
     }
     for (int j = 0; j < NFIELDS; j++)
         if ((b.names[j] = PyUnicode_InternFromString(field_names[j])) == NULL)
             goto out;
+    mark_keys(&b);
     if (obj_class(&b, r->root) == CLS_METADATA)
         out = value(&b, r->root);
     if (out == NULL) {
@@ -813,6 +887,7 @@ out:
             Py_XDECREF(b.cache[s]);
     PyMem_Free(b.cache);
     PyMem_Free(b.active);
+    PyMem_Free(b.keyof);
     Py_XDECREF(b.empty);
     for (int j = 0; j < NFIELDS; j++)
         Py_XDECREF(b.names[j]);
@@ -837,7 +912,10 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     ss_errinfo_clear(&err);
-    if (view.len >= MD_NOGIL_MIN) {
+    /* The view keeps the buffer mapped and its size fixed while the GIL is
+     * released; a writable one (a bytearray) could still change under the
+     * decoder, so it is decoded with the GIL held. */
+    if (view.len >= MD_NOGIL_MIN && view.readonly) {
         Py_BEGIN_ALLOW_THREADS
             rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
         Py_END_ALLOW_THREADS

@@ -1,8 +1,9 @@
 /* test_mdread.c - ss_mdread_decode: the node table of streams CPython's
  * pickler writes (protocols 3-5), containers filled in several batches,
- * ints at every width, the memo's share slots; refusal of every form outside
- * the decoded set and of every bound (memo order, frames, lengths, stack);
- * and no byte read past the data at any truncation (ASan). */
+ * ints at every width, the memo's share slots, a pathlib path's REDUCE;
+ * refusal of every form outside the decoded set and of every bound (memo order,
+ * frames, lengths, stack); and no byte read past the data at any truncation
+ * (ASan). */
 #include "ss_mdread.h"
 #include "ss_test.h"
 
@@ -122,6 +123,57 @@ static void test_ints_batches_memo_and_globals(void)
     CHECK_EQ_INT(k[5], red->a);
     ss_mdread_free(r);
     free(buf);
+}
+
+static void test_path_reduce(void)
+{
+    /* every save's StorageMeta.checkpoint_id: a REDUCE of a pathlib class
+     * with its parts; pickle.dumps(PurePosixPath('/a/b'), protocol=4), and
+     * PureWindowsPath('C:/x') at protocol 3 (GLOBAL) */
+    static const char p4[] =
+        "\x80\x04\x95-\x00\x00\x00\x00\x00\x00\x00\x8c\x07pathlib\x94\x8c\r"
+        "PurePosixPath\x94\x93\x94\x8c\x01/\x94\x8c\x01"
+        "a\x94\x8c\x01"
+        "b\x94\x87\x94R\x94.";
+    static const char p3[] = "\x80\x03"
+                             "cpathlib\nPureWindowsPath\nq\x00X\x03\x00\x00\x00"
+                             "C:\\q\x01X\x01\x00\x00\x00xq\x02\x86q\x03Rq\x04.";
+    static const struct {
+        const char *s;
+        size_t n;
+        const char *cls, *last;
+        uint32_t nparts;
+    } cases[] = {{S(p4), "PurePosixPath", "b", 3},
+                 {S(p3), "PureWindowsPath", "x", 2}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        ss_mdread *r;
+        char *buf;
+        CHECK_EQ_INT(dec(cases[c].s, cases[c].n, &r, &buf), 0);
+        if (r == NULL) {
+            free(buf);
+            continue;
+        }
+        const ss_md_result *res = ss_mdread_result(r);
+        const ss_md_node *red = node(res, res->root), *g, *args, *nm, *last;
+        CHECK_EQ_INT(red->kind, SS_MD_REDUCE);
+        CHECK_EQ_INT(red->c, 0);
+        g = node(res, red->a);
+        args = node(res, red->b);
+        CHECK_EQ_INT(g->kind, SS_MD_GLOBAL);
+        CHECK(node(res, g->a)->b == 7 &&
+              memcmp(buf + node(res, g->a)->a, "pathlib", 7) == 0);
+        nm = node(res, g->b);
+        CHECK(nm->b == strlen(cases[c].cls) &&
+              memcmp(buf + nm->a, cases[c].cls, nm->b) == 0);
+        CHECK_EQ_INT(args->kind, SS_MD_TUPLE);
+        CHECK_EQ_INT(args->b, cases[c].nparts);
+        for (uint32_t k = 0; k < args->b; k++)
+            CHECK_EQ_INT(node(res, res->kids[args->a + k])->kind, SS_MD_STR);
+        last = node(res, res->kids[args->a + args->b - 1]);
+        CHECK(last->b == 1 && buf[last->a] == cases[c].last[0]);
+        ss_mdread_free(r);
+        free(buf);
+    }
 }
 
 static void test_refuses(void)
@@ -270,6 +322,7 @@ int main(void)
 {
     RUN(test_decodes_a_dict);
     RUN(test_ints_batches_memo_and_globals);
+    RUN(test_path_reduce);
     RUN(test_refuses);
     RUN(test_truncations_and_flips);
     RUN(test_many_items);

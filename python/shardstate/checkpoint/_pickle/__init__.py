@@ -33,7 +33,7 @@ no other exception escapes the restricted ``loads_*`` for any input.
 
 Imports, without cycles: writer -> standins -> names; allowlist -> names,
 errors; unpickler -> allowlist, errors; build -> allowlist, errors; fastread -> build,
-names; objects -> build, unpickler, allowlist.
+allowlist, names; objects -> build, unpickler, allowlist.
 
 Invariants: no torch import anywhere in this package (torch objects are
 built only when torch is already in ``sys.modules``). Functions are
@@ -43,6 +43,7 @@ thread-safe.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 from ..._util import gc_paused
 from ..metadata import Metadata
@@ -65,8 +66,9 @@ __all__ = [
 ]
 
 
-def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
-    """Reads a ``.metadata`` pickle into shardstate's metadata classes.
+def loads_metadata(data: Any, *, allow_unsafe: bool = False) -> Metadata:
+    """Reads a ``.metadata`` pickle (any bytes-like object: bytes, a
+    ``MappedFile``) into shardstate's metadata classes.
 
     Only torch's checkpoint metadata classes, ``_StorageInfo``, ``torch.Size``,
     dtypes, layouts, memory formats, paths and plain Python values are
@@ -84,15 +86,22 @@ def loads_metadata(data: bytes, *, allow_unsafe: bool = False) -> Metadata:
     """
     if allow_unsafe:
         return from_unpickled(pickle.loads(data))
-    with gc_paused():
-        if isinstance(data, bytes):
-            md = _fast(data)
-            if md is not None:
-                return md
-        return _reference(data)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(".metadata must be a bytes-like object, "
+                        f"got {type(data).__name__}") from None
+    # Any buffer (bytes, a MappedFile): the fast path holds a view of it
+    # while C decodes with the GIL released, so it cannot be unmapped or
+    # resized meanwhile (writable buffers are decoded with the GIL held).
+    with view, gc_paused():
+        md = _fast(view)
+        if md is not None:
+            return md
+        return _reference(view)
 
 
-def _reference(data: bytes) -> Metadata:
+def _reference(data: bytes | memoryview) -> Metadata:
     """The reference reader (``unpickler`` + ``build``): what the fast path
     must agree with, and what decides every stream it does not take."""
     try:

@@ -392,11 +392,12 @@ def _plain_globals() -> dict[tuple[str, str], Any]:
 
 
 # Pure paths are inert values: admitted in bytes items (torch.save of a
-# config that holds a Path) as well as in .metadata (checkpoint_id).
+# config that holds a Path) as well as in .metadata (checkpoint_id, which
+# every save writes; the fast path, fastread, admits the same names).
+_PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
 _PLAIN_GLOBALS = {
     **_plain_globals(),
-    **{("pathlib", c): _Call(f"pathlib.{c}", _path_ctor(c))
-       for c in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")},
+    **{("pathlib", c): _Call(f"pathlib.{c}", _path_ctor(c)) for c in _PATH_CLASSES},
 }
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_PLAIN_GLOBALS,

@@ -179,12 +179,7 @@ class _Builder:
         if t is _EnumVal:
             return _MEM_FORMAT_ENCODING(v.value)
         if t is _PathVal:
-            cls = getattr(pathlib, v.cls)
-            if v.cls in ("WindowsPath", "Path") and sys.platform != "win32":
-                cls = pathlib.PureWindowsPath if v.cls == "WindowsPath" else pathlib.PosixPath
-            if v.cls == "PosixPath" and sys.platform == "win32":
-                cls = pathlib.PurePosixPath
-            return cls(*v.parts)
+            return path_class(v.cls)(*v.parts)
         if t is _NdVal:
             return self.ndarray(v)
         if t is _NpScalar:
@@ -390,6 +385,19 @@ class _Builder:
         if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
             raise self.fail("_StorageInfo.shardstate_crc32 is not a 32-bit unsigned int")
         return self.new(_StorageInfo, st)
+
+
+def path_class(name: str) -> type:
+    """The class a pickled ``pathlib.<name>`` is made as here: the concrete
+    class of another platform (a WindowsPath read on Linux) becomes its pure
+    form, ``Path`` this platform's concrete class (the fast path, fastread,
+    makes the same)."""
+    cls = getattr(pathlib, name)
+    if name in ("WindowsPath", "Path") and sys.platform != "win32":
+        cls = pathlib.PureWindowsPath if name == "WindowsPath" else pathlib.PosixPath
+    if name == "PosixPath" and sys.platform == "win32":
+        cls = pathlib.PurePosixPath
+    return cls
 
 
 def _short(p: _ObjProxy) -> str:

@@ -11,7 +11,8 @@ path never answers differently from it.
 
 The context handed to C maps the allowlisted names the fast path decodes
 (``allowlist._METADATA_GLOBALS``' metadata classes, torch.Size, dtypes,
-layouts, memory formats) to codes and the objects ``build`` would make for
+layouts, memory formats, and the pathlib classes with the class
+``build.path_class`` makes for each) to codes and the objects ``build`` would make for
 them; it is made once per torch state (loaded or not), with
 TensorProperties' defaults taken at each call (the default dtype may change).
 
@@ -27,12 +28,14 @@ from ... import _core
 from ..._util import loaded_torch
 from .. import metadata as _md
 from . import build as _b
+from .allowlist import _PATH_CLASSES
 from .names import _DTYPE_NAMES, _LAYOUT_NAMES, _LEGACY_MOD, _MD_MOD, _MEMFMT_NAMES, _torch_module
 
 # The class order of csrc/py/mdread.c's CLS_*, then its other codes.
 _CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
             "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_StorageInfo")
-_G_SIZE, _G_DTYPE, _G_MEMFMT, _G_LAYOUT, _G_MEMENC = range(len(_CLASSES), len(_CLASSES) + 5)
+_G_SIZE, _G_DTYPE, _G_MEMFMT, _G_LAYOUT, _G_MEMENC, _G_PATH = range(len(_CLASSES),
+                                                                   len(_CLASSES) + 6)
 
 _FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, _b._F_INDEX,
            _b._F_STORAGE_META, _b._F_STORAGE_INFO)
@@ -87,6 +90,8 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     g[("torch.serialization", "_get_layout")] = (_G_LAYOUT, layouts)
     g[(_MD_MOD, "_MEM_FORMAT_ENCODING")] = (_G_MEMENC, None)
     g[(_LEGACY_MOD, "MEM_FORMAT_ENCODING")] = (_G_MEMENC, None)
+    for n in _PATH_CLASSES:
+        g[("pathlib", n)] = (_G_PATH, _b.path_class(n))
     memfmt = tuple(_torch_obj(n, torch) for n in (
         "torch.contiguous_format", "torch.channels_last", "torch.preserve_format"))
     size_type = torch.Size if torch is not None else None
@@ -94,8 +99,9 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     return got
 
 
-def _fast(data: bytes) -> Any:
-    """The Metadata, or None: not recognised (the reference decides)."""
+def _fast(data: Any) -> Any:
+    """The Metadata, or None: not recognised (the reference decides).
+    ``data``: any buffer (C holds a view of it for the whole call)."""
     ctx = _context(loaded_torch())
     if ctx is None:
         return None
