@@ -12,13 +12,13 @@ containers; the bytes read back with torch's pickle and shardstate's reader.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import pickle
 import random
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +31,6 @@ from shardstate.checkpoint.metadata import TorchName
 from torch.distributed.checkpoint import metadata as tmd
 from torch.distributed.checkpoint.filesystem import _StorageInfo as TInfo
 
-ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
           torch.float8_e4m3fn, torch.complex64]
 LAYOUTS = [torch.strided, torch.sparse_coo]
@@ -238,7 +237,6 @@ def test_torch_free_process() -> None:
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None
-        sys.path.insert(0, sys.argv[1])
         from shardstate.checkpoint import metadata as smd
         from shardstate.checkpoint._pickle import writer as W
         from shardstate.checkpoint._pickle.standins import _placeholder_sets
@@ -254,7 +252,8 @@ def test_torch_free_process() -> None:
         assert data is not None and W._dumps(md, c=False) == data
         sys.stdout.write(data.hex())
     """)
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "python")], check=True,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=env,
                          capture_output=True, text=True, timeout=120).stdout
     cs = [tmd.ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(3)]
     md = tmd.Metadata({"w": tmd.TensorStorageMetadata(tmd.TensorProperties(torch.bfloat16),
