@@ -28,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._extension as torch_ext
 import zstandard  # a test dependency (pyproject's test extra, the Makefile's venv)
+from _child_env import package_env
 from _dtypes import DTYPES, seeded
 from shardstate import ChecksumError
 from shardstate.checkpoint import _extension, _fs_transform
@@ -592,7 +593,7 @@ def test_not_an_extension_is_refused():
 
 
 def _run(code: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = package_env()
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

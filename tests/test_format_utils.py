@@ -35,6 +35,7 @@ import pytest
 import shardstate.checkpoint as dcp
 import torch
 import torch.distributed.checkpoint as tdcp
+from _child_env import package_env
 from _dtypes import DTYPES, seeded
 from shardstate.checkpoint import format_utils as sfu
 from shardstate.checkpoint.default_planner import (
@@ -237,7 +238,7 @@ def test_command_line(tmp_path, capsys):
     assert out[-1] == f"No checkpoint found at {tmp_path / 'nothing'}. Skipping conversion."
     assert not (tmp_path / "x.pt").exists()
     # as a module, like torch's
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = package_env()
     subprocess.run([sys.executable, "-W", "error", "-m", "shardstate.checkpoint.format_utils",
                     "dcp_to_torch", str(tmp_path / "theirs"), str(tmp_path / "m.pt")],
                    check=True, env=env, capture_output=True, timeout=300)
@@ -482,7 +483,7 @@ def test_private_names_and_modules_without_torch(tmp_path):
         assert not any(m.split(".")[0] == "torch" for m in sys.modules)
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = package_env()
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed._shard.sharded_tensor.metadata as legacy
+from _child_env import package_env
 from shardstate.checkpoint import _pickle
 from shardstate.checkpoint._pickle import build as B
 from shardstate.checkpoint._pickle import fastread
@@ -370,10 +371,9 @@ print("ok")
 
 def test_torch_free_metadata_served() -> None:
     """Without torch (a NumPy-only save), _torchfree's classes, tuples and TorchName."""
-    import os
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = package_env()
     r = subprocess.run([sys.executable, "-c", _TORCH_FREE], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

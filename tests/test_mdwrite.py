@@ -12,7 +12,6 @@ containers; the bytes read back with torch's pickle and shardstate's reader.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import pickle
 import random
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _child_env import package_env
 from shardstate.checkpoint import _torchfree as tfree
 from shardstate.checkpoint._pickle import dumps_metadata, loads_metadata
 from shardstate.checkpoint._pickle import writer as W
@@ -252,7 +252,7 @@ def test_torch_free_process() -> None:
         assert data is not None and W._dumps(md, c=False) == data
         sys.stdout.write(data.hex())
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
+    env = package_env()
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env,
                          capture_output=True, text=True, timeout=120).stdout
     cs = [tmd.ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(3)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import os
 import pathlib
 import pickle
 import re
@@ -26,6 +25,7 @@ import pytest
 import shardstate
 import torch
 import torch.distributed.checkpoint as dcp
+from _child_env import package_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shardstate._util import gc_paused
@@ -749,7 +749,7 @@ def test_torch_free_round_trip(tmp_path: Path) -> None:
         print("OK")
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = package_env()
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr

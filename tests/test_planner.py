@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp  # noqa: F401  (loads the submodules below)
+from _child_env import package_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shardstate.checkpoint import _nested_dict, _plan_reads, _traverse
@@ -649,7 +650,7 @@ def test_numpy_only_never_imports_torch() -> None:
         assert sys.modules["torch"] is None
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = package_env()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=60)
     assert out.returncode == 0, out.stderr

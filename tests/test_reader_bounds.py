@@ -10,7 +10,6 @@ process: its exit status and message are checked.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import shardstate
+from _child_env import package_env
 from shardstate.checkpoint import _zipfmt
 from shardstate.checkpoint._pickle import (
     PickleFormatError,
@@ -90,7 +90,7 @@ def payload_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _child(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
+    env = package_env()
     return subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
@@ -185,7 +185,7 @@ def test_deflated_bytes_item_is_refused_before_inflating(tmp_path: Path) -> None
     bomb = tmp_path / "bomb.zip"
     _deflate_bomb(bomb, 1 << 30)
     assert bomb.stat().st_size < 8 << 20
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # the package under test
+    env = package_env()
     r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(bomb)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
