@@ -81,6 +81,9 @@ def test_hung_rank_times_out_instead_of_hanging():
 
 
 def _crash_rank1_others_wait(rank, world_size):
+    import torch.distributed as dist
+
+    dist.barrier()  # all connected first (see _crash_on_last)
     if rank == 1:
         os._exit(5)
     time.sleep(2)  # past the grace the helper gives the others after a failure
