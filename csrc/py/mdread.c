@@ -24,7 +24,11 @@
  * (code, obj)}, obj the value a global stands for (for a pathlib class, the
  * class build.py makes); tp_defaults: TensorProperties().__dict__; size_type:
  * torch.Size, or None (sizes are tuples); memory_formats: the 3 memory
- * formats _MEM_FORMAT_ENCODING 0..2 name. */
+ * formats _MEM_FORMAT_ENCODING 0..2 name; and, optionally, a 6th item
+ * (lazy_min, make_chunks): a Metadata of at least lazy_min chunks in all has
+ * each chunk list the stream shares nothing of (see lazy_chunks) made by
+ * make_chunks(offsets, sizes, n, ndim) from two bytes objects of native int64
+ * (n x ndim, row-major) instead of n ChunkStorageMetadata (_mdlazy.py). */
 #include "module.h"
 #include "ss_mdread.h"
 
@@ -118,6 +122,9 @@ typedef struct bld {
     PyObject *globals, *tp_defaults, *size_type, *memfmt[3];
     PyObject *names[NFIELDS];
     PyObject *empty;
+    PyObject *make_chunks; /* borrowed; NULL: no compact chunk lists */
+    long long lazy_min;
+    int lazy; /* this Metadata has lazy_min chunks or more */
     int depth;
 } bld;
 
@@ -406,6 +413,21 @@ static int str_or_none(const ss_md_node *n)
     return n == NULL || n->kind == SS_MD_STR || n->kind == SS_MD_NONE;
 }
 
+/* The chunks of every tensor entry of a state_dict_metadata dict node. */
+static long long count_chunks(bld *b, const ss_md_node *sdm)
+{
+    long long total = 0;
+    for (uint32_t p = 0; p < sdm->b; p++) {
+        const ss_md_node *t = N(b, kids(b, sdm)[2 * p + 1]);
+        fields f;
+        if (t->kind == SS_MD_NEWOBJ &&
+            read_state(b, t->c, CLS_TENSOR, &f) == 0 &&
+            is(field(b, &f, F_CHUNKS), SS_MD_LIST))
+            total += field(b, &f, F_CHUNKS)->b;
+    }
+    return total;
+}
+
 static PyObject *build_metadata(bld *b, const fields *f)
 {
     PyObject *vals[NFIELDS] = {0}, *out;
@@ -421,6 +443,7 @@ static PyObject *build_metadata(bld *b, const fields *f)
         return NULL;
     vals[F_SDM] = out;
     k = kids(b, sdm);
+    b->lazy = b->make_chunks != NULL && count_chunks(b, sdm) >= b->lazy_min;
     for (uint32_t p = 0; p < sdm->b; p++) {
         int cls = obj_class(b, k[2 * p + 1]);
         PyObject *key, *v;
@@ -490,6 +513,61 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
     return 0;
 }
 
+/* Whether a chunk list (checked by chunks_inside) stands for exactly the
+ * objects lazy_chunks' list makes on demand: the stream shares neither the
+ * list, nor a chunk, nor a chunk's offsets or sizes with anything (the
+ * eager walk would make those one object, used twice), and each chunk's
+ * state is {offsets, sizes} in that order (the attribute order _mdlazy
+ * sets). */
+static int lazy_ok(bld *b, const ss_md_node *list)
+{
+    const uint32_t *ck = kids(b, list);
+    if (list->share)
+        return 0;
+    for (uint32_t c = 0; c < list->b; c++) {
+        const ss_md_node *cn = N(b, ck[c]);
+        fields f;
+        if (cn->share || read_state(b, cn->c, CLS_CHUNK, &f) < 0 || f.n != 2 ||
+            f.order[0] != F_OFFSETS || N(b, f.node[F_OFFSETS])->share ||
+            N(b, f.node[F_SIZES])->share)
+            return 0;
+    }
+    return 1;
+}
+
+/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits. */
+static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
+{
+    const uint32_t *ck = kids(b, list);
+    size_t cells = (size_t)list->b * nd;
+    PyObject *off = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8));
+    PyObject *len =
+        off ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8)) : NULL;
+    PyObject *out = NULL;
+    if (len != NULL) {
+        int64_t *po = (int64_t *)PyBytes_AS_STRING(off);
+        int64_t *pl = (int64_t *)PyBytes_AS_STRING(len);
+        for (uint32_t c = 0; c < list->b; c++) {
+            const uint32_t *d1, *d2;
+            uint32_t n1, n2;
+            fields f;
+            /* lazy_ok and chunks_inside checked every one of these */
+            (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
+            (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
+            (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
+            for (uint32_t k = 0; k < nd; k++) {
+                po[(size_t)c * nd + k] = ival(N(b, d1[k]));
+                pl[(size_t)c * nd + k] = ival(N(b, d2[k]));
+            }
+        }
+        out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
+                                    (unsigned)list->b, (unsigned)nd);
+    }
+    Py_XDECREF(off);
+    Py_XDECREF(len);
+    return out;
+}
+
 static PyObject *build_tensor(bld *b, const fields *f)
 {
     const ss_md_node *chunks = field(b, f, F_CHUNKS);
@@ -505,9 +583,14 @@ static PyObject *build_tensor(bld *b, const fields *f)
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
-    if (vals[F_SIZE] == NULL)
+    if (b->lazy && lazy_ok(b, chunks) &&
+        (vals[F_CHUNKS] = lazy_chunks(b, chunks, nd)) == NULL)
         return NULL;
+    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
+    if (vals[F_SIZE] == NULL) {
+        Py_XDECREF(vals[F_CHUNKS]);
+        return NULL;
+    }
     return make(b, CLS_TENSOR, f, vals);
 }
 
@@ -823,8 +906,20 @@ static void mark_keys(bld *b)
 static int unpack_ctx(bld *b, PyObject *ctx)
 {
     PyObject *cls, *mf;
-    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 5)
+    if (!PyTuple_Check(ctx) ||
+        (PyTuple_GET_SIZE(ctx) != 5 && PyTuple_GET_SIZE(ctx) != 6))
         goto bad;
+    if (PyTuple_GET_SIZE(ctx) == 6 && PyTuple_GET_ITEM(ctx, 5) != Py_None) {
+        PyObject *lz = PyTuple_GET_ITEM(ctx, 5);
+        if (!PyTuple_Check(lz) || PyTuple_GET_SIZE(lz) != 2 ||
+            !PyLong_Check(PyTuple_GET_ITEM(lz, 0)) ||
+            !PyCallable_Check(PyTuple_GET_ITEM(lz, 1)))
+            goto bad;
+        b->lazy_min = PyLong_AsLongLong(PyTuple_GET_ITEM(lz, 0));
+        if (b->lazy_min == -1 && PyErr_Occurred())
+            return -1;
+        b->make_chunks = PyTuple_GET_ITEM(lz, 1);
+    }
     cls = PyTuple_GET_ITEM(ctx, 0);
     b->globals = PyTuple_GET_ITEM(ctx, 1);
     b->tp_defaults = PyTuple_GET_ITEM(ctx, 2);
