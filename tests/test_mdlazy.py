@@ -21,14 +21,16 @@ import pytest
 import torch
 from shardstate.checkpoint import _mdlazy, _pickle
 from shardstate.checkpoint import default_planner as sdp
+from shardstate.checkpoint._pickle import fastread
 from shardstate.checkpoint._records import _Records
-from test_mdread import deep, random_metadata
+from test_mdread import deep, random_metadata, same_sharing
 from torch.distributed.checkpoint import default_planner as tdp
 from torch.distributed.checkpoint import metadata as tmd
 from torch.distributed.checkpoint import planner_helpers as tph
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 ChunkList = _mdlazy.ChunkList
+StorageMap = _mdlazy.StorageMap
 
 
 @pytest.fixture
@@ -40,6 +42,26 @@ def lazy(monkeypatch: pytest.MonkeyPatch) -> None:
 def lists(x: Any) -> Any:
     """x with every ChunkList as the list it stands for (copies made)."""
     return _mdlazy.materialized(x)
+
+
+def _lookups_agree(got: Any, ref: Any) -> None:
+    """Every key of the reference's storage_data (and the same key with a
+    wrong index hint, and keys that are not there) looked up in the compact
+    form without making its dict."""
+    sd = got.storage_data
+    assert type(sd) is StorageMap and len(sd) == len(ref.storage_data)
+    for k, v in ref.storage_data.items():
+        assert sd[k] == v and k in sd and sd.get(k) == v
+        assert deep(sd[k]) == deep(v)
+        other = tmd.MetadataIndex(k.fqn, k.offset, None if k.index else 7)
+        assert sd[other] == v
+        assert tmd.MetadataIndex(k.fqn + "x", k.offset) not in sd
+        if k.offset is not None:
+            assert sd.get(tmd.MetadataIndex(k.fqn, [*k.offset, 0]), "no") == "no"
+    assert "w" not in sd and sd.get(("w", None)) is None
+    with pytest.raises(KeyError):
+        sd[tmd.MetadataIndex("nope")]
+    assert sd._dict is None
 
 
 def _compact(md: Any) -> list[Any]:
@@ -73,13 +95,17 @@ def _tiled(fqn_count: int, rows: int, cols: int, grid: tuple[int, int]) -> tmd.M
 @pytest.mark.parametrize("seed", range(3))
 def test_random_metadata_compact_equals_reference(seed: int) -> None:
     r = random.Random(seed)
-    compact = 0
+    compact = maps = 0
     for _ in range(40):
         md = random_metadata(r)
         for data in (pickle.dumps(md, protocol=4), _pickle.dumps_metadata(md)):
             ref = _pickle._reference(data)
             got = _pickle.loads_metadata(data)
             compact += len(_compact(got))
+            if type(got.storage_data) is StorageMap:
+                maps += 1
+                _lookups_agree(got, ref)
+                _lookups_agree(_pickle.loads_metadata(data), ref)
             assert deep(lists(got)) == deep(ref)
             assert got == ref and ref == got and got == md and not got != ref
             # written back: the bytes of the reference's Metadata, which
@@ -88,10 +114,11 @@ def test_random_metadata_compact_equals_reference(seed: int) -> None:
             assert out == _pickle.dumps_metadata(ref)
             assert pickle.loads(out) == md
             assert all(c.arrays() is not None for c in _compact(got))
+            assert getattr(got.storage_data, "_dict", None) is None
             # plain pickle and copies give lists of equal chunks
             assert pickle.loads(pickle.dumps(got)) == md
             assert copy.deepcopy(got) == md and copy.copy(got) == md
-    assert compact > 50
+    assert compact > 50 and maps > 10
 
 
 def test_threshold_keeps_small_files_as_lists(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,6 +322,8 @@ def test_real_checkpoints_read_compact_and_load(tmp_path: Any, run_distributed: 
         kinds = {k: type(v.chunks) for k, v in md.state_dict_metadata.items()
                  if hasattr(v, "chunks")}
         assert kinds["rows"] is ChunkList and kinds["cols"] is ChunkList, (name, kinds)
+        assert type(md.storage_data) is StorageMap
+        _lookups_agree(md, ref)
         assert md == ref and deep(lists(md)) == deep(ref)
         assert _pickle.dumps_metadata(md) == _pickle.dumps_metadata(ref)
         sd = {"rows": torch.zeros(6, 4), "cols": torch.zeros(3, 10),
@@ -309,3 +338,68 @@ def test_real_checkpoints_read_compact_and_load(tmp_path: Any, run_distributed: 
             with pytest.warns(UserWarning, match="single process"):
                 tdcp.load(theirs, checkpoint_id=d)
             assert all(torch.equal(theirs[k], sd[k]) for k in ("rows", "cols", "plain"))
+
+
+@pytest.mark.usefixtures("lazy")
+def test_storage_map_semantics() -> None:
+    md = _tiled(2, 4, 4, (2, 1))
+    for info in md.storage_data.values():
+        info.shardstate_crc32 = 5
+    md.storage_data[tmd.MetadataIndex("b")] = _StorageInfo("__0_0.distcp", 9, 3)
+    data = _pickle.dumps_metadata(md)
+    got = _pickle.loads_metadata(data)
+    sd = got.storage_data
+    assert type(sd) is StorageMap
+    ref = _pickle._reference(data)
+    _lookups_agree(got, ref)
+    assert sd == md.storage_data and md.storage_data == sd and not sd != md.storage_data
+    assert repr(sd) == repr(md.storage_data)
+    assert _pickle.dumps_metadata(got) == _pickle.dumps_metadata(ref) == data
+    with pytest.raises(TypeError):
+        hash(sd)
+    # the reader's view keyed by (fqn, offset tuple), before and after the
+    # dict is made
+    made_sd = _pickle.loads_metadata(data).storage_data
+    for made in (False, True):
+        view = _mdlazy.IndexKeyView(made_sd if made else sd)
+        if made:
+            dict(made_sd)
+        for k, v in ref.storage_data.items():
+            key = (k.fqn, None if k.offset is None else tuple(k.offset))
+            assert view[key] == v and view.get(key) == v and key in view
+        assert view.get(("b", (0,)), "no") == "no" and ("layers.0.w", None) not in view
+        with pytest.raises(KeyError):
+            view[("layers.0.w", (1, 0))]
+        assert (made_sd._dict is not None) == made and sd._dict is None
+    # the strings the stream shares (a file name used by many entries) are
+    # one object, as the reference makes them; the others each their own
+    assert same_sharing(lists(got), ref)
+    # copies, pickling
+    assert copy.deepcopy(sd) == md.storage_data and copy.copy(sd) == sd
+    assert pickle.loads(pickle.dumps(sd)) == md.storage_data
+    assert copy.deepcopy(got) == md and pickle.loads(pickle.dumps(got)) == md
+    assert sd._dict is None
+    # iteration makes the dict once; changes go to it and are written
+    keys = list(sd)
+    assert keys == list(md.storage_data) and sd._dict is not None
+    assert next(iter(sd)) is keys[0] and list(sd.items()) == list(md.storage_data.items())
+    extra = tmd.MetadataIndex("c")
+    sd[extra] = _StorageInfo("__1_0.distcp", 1, 1)
+    del sd[keys[0]]
+    assert len(sd) == len(md.storage_data) and extra in sd and keys[0] not in sd
+    back = _pickle._reference(_pickle.dumps_metadata(got))
+    assert extra in back.storage_data and keys[0] not in back.storage_data
+
+
+@pytest.mark.usefixtures("lazy")
+def test_storage_data_with_a_key_twice_goes_to_the_reference() -> None:
+    """Two keys equal as dict keys (same fqn and offset) are one entry in a
+    dict: the fast path leaves such a stream to the reference, which
+    decides, in the compact form as in the dict walk."""
+    md = _tiled(1, 4, 4, (2, 1))
+    k0, k1 = list(md.storage_data)
+    object.__setattr__(k1, "offset", torch.Size([0, 0]))
+    data = pickle.dumps(md)
+    assert data.count(b"MetadataIndex") == 1
+    assert fastread._fast(data) is None
+    assert _pickle.loads_metadata(data) == _pickle._reference(data)
