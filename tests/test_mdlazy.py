@@ -12,6 +12,7 @@ chunk lookup, which read the arrays, answer as over the lists (and as torch).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import random
 from typing import Any
@@ -44,6 +45,11 @@ def lists(x: Any) -> Any:
     return _mdlazy.materialized(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SubIndex(tmd.MetadataIndex):
+    """Equal to no MetadataIndex as a dict key (dataclass eq)."""
+
+
 def _lookups_agree(got: Any, ref: Any) -> None:
     """Every key of the reference's storage_data (and the same key with a
     wrong index hint, and keys that are not there) looked up in the compact
@@ -59,6 +65,9 @@ def _lookups_agree(got: Any, ref: Any) -> None:
         if k.offset is not None:
             assert sd.get(tmd.MetadataIndex(k.fqn, [*k.offset, 0]), "no") == "no"
     assert "w" not in sd and sd.get(("w", None)) is None
+    for k in list(ref.storage_data)[:1]:
+        sub = _SubIndex(k.fqn, k.offset)
+        assert sub not in sd and sub not in ref.storage_data
     with pytest.raises(KeyError):
         sd[tmd.MetadataIndex("nope")]
     assert sd._dict is None

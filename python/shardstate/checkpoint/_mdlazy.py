@@ -351,8 +351,8 @@ class StorageMap(Mapping):
 
     def _get(self, key: Any) -> tuple[bool, Any]:
         fqn, off = getattr(key, "fqn", None), getattr(key, "offset", _NO)
-        if off is _NO or not isinstance(key, self._cls[0]):
-            return False, None  # only a MetadataIndex equals a key
+        if off is _NO or type(key) is not self._cls[0]:
+            return False, None  # only a MetadataIndex equals a key (dataclass eq)
         try:
             want = None if off is None else tuple(off)
         except TypeError:
