@@ -1,6 +1,7 @@
 """.metadata at scale: shardstate's writer and restricted reader against torch's pickle.
 
     python benchmarks/bench_metadata.py [--chunks 19200 192000] [--repeat 3]
+    python benchmarks/bench_metadata.py --peak [--chunks 2000000]
 
 A checkpoint's ``.metadata`` grows with tensors x ranks (one chunk per
 shard). For each size, one Metadata of 2-D tensors split in 64 row chunks
@@ -26,6 +27,12 @@ every save writes) is written and read, side by side in one run:
 
 and prints medians and the ratio torch / shardstate (> 1: shardstate is
 faster). Runs on the CPU; torch must be installed.
+
+``--peak``: the memory a read takes instead. The file is written once; then
+for each reader a fresh process reads it (the file's bytes, then the read)
+and reports its peak resident memory above what it held before (Linux:
+VmHWM after resetting it through /proc/self/clear_refs), the file's bytes
+included, as a multiple of the file size.
 """
 
 from __future__ import annotations
@@ -104,12 +111,69 @@ def _torch_free(chunks: int, repeat: int) -> tuple[float, bytes]:
             return float(r.stdout.split()[-1]), f.read()
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_child(path: str, who: str) -> int:
+    """Runs in the child: the peak memory (bytes) of reading ``path`` with
+    ``who``'s reader, above the memory held before, printed."""
+    import torch  # noqa: F401 - both readers make torch's classes
+    from shardstate.checkpoint import _pickle
+
+    load = pickle.loads if who == "torch" else _pickle.loads_metadata
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status_kb("VmRSS")
+    with open(path, "rb") as f:
+        data = f.read()
+    md = load(data)
+    peak = _status_kb("VmHWM")
+    assert md.state_dict_metadata
+    print((peak - before) * 1024)
+    return 0
+
+
+def _peak(chunks: list[int]) -> int:
+    import torch
+    from shardstate.checkpoint import _pickle
+
+    print(f"{'chunks':>9} {'file MB':>8} {'torch MB':>9} {'x file':>7} {'ss MB':>8} {'x file':>7}")
+    for n in chunks:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "metadata")
+            with open(path, "wb") as f:
+                f.write(_pickle.dumps_metadata(_metadata(n, torch)))
+            size = os.path.getsize(path)
+            peaks = {}
+            for who in ("torch", "shardstate"):
+                r = subprocess.run([sys.executable, __file__, "--peak-child", path, who],
+                                   capture_output=True, text=True, check=True)
+                peaks[who] = int(r.stdout.split()[-1])
+        t, s = peaks["torch"], peaks["shardstate"]
+        print(f"{n:>9} {size / 1e6:>8.1f} {t / 1e6:>9.1f} {t / size:>6.2f}x "
+              f"{s / 1e6:>8.1f} {s / size:>6.2f}x", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[19_200, 192_000])
+    ap.add_argument("--chunks", type=int, nargs="+", default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--peak", action="store_true",
+                    help="peak memory of a read in a fresh process (default --chunks 2000000)")
     ap.add_argument("--torch-free-child", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--peak-child", nargs=2, metavar=("PATH", "WHO"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peak_child:
+        return _peak_child(*args.peak_child)
+    if args.peak:
+        return _peak(args.chunks or [2_000_000])
+    args.chunks = args.chunks or [19_200, 192_000]
     if args.torch_free_child:
         return _torch_free_child(args.chunks[0], args.repeat, args.torch_free_child)
 

@@ -20,7 +20,13 @@ group), as ``{"model": ..., "optim": ...}``:
            checked equal to its built one.
   finish   one rank's ``finish_plan`` of its part of the global plan
   load     one rank's ``DefaultLoadPlanner`` ``set_up_planner`` +
-           ``create_local_plan`` against the global Metadata (same DTensors)
+           ``create_local_plan`` (same DTensors) against the global Metadata
+           as each side's reader returns it from the ``.metadata`` bytes, as
+           in a load: torch's ``pickle.loads``, shardstate's
+           ``_pickle.loads_metadata`` (at this size its chunk lists are int64
+           arrays, which the planner reads directly)
+  load/md  the same against the Metadata object the save built (lists of
+           ChunkStorageMetadata: shardstate reads their boxes in C)
 
 Both sides run on the same inputs in one run; their outputs are checked equal
 (plans item for item with index hints, Metadata field for field, load plans
@@ -228,16 +234,24 @@ def _steps(world: int, args: argparse.Namespace) -> list[tuple[str, Callable, Ca
     def finish(mod: Any) -> Callable[[], Any]:
         return lambda: mod.DefaultSavePlanner().finish_plan(mine)
 
-    def load(mod: Any) -> Callable[[], Any]:
+    def load(mod: Any, md: Any = t_md) -> Callable[[], Any]:
         def run() -> Any:
             p = mod.DefaultLoadPlanner()
-            p.set_up_planner(sd, t_md, is_coordinator=False)
+            p.set_up_planner(sd, md, is_coordinator=False)
             return p.create_local_plan()
         return run
 
+    import pickle
+
+    from shardstate.checkpoint import _pickle
+
+    t_read = pickle.loads(pickle.dumps(t_md))
+    s_read = _pickle.loads_metadata(_pickle.dumps_metadata(t_md))
     t_load, s_load = load(tdp)(), load(sdp)()
     if s_load.items != t_load.items or not s_load.items:
         raise AssertionError("the load plans differ")
+    if load(sdp, s_read)().items != t_load.items or load(tdp, t_read)().items != t_load.items:
+        raise AssertionError("the load plans over the metadata read back differ")
     items = sum(len(p.items) for p in plans)
     chunks = sum(len(v.chunks) for v in t_md.state_dict_metadata.values()
                  if hasattr(v, "chunks"))
@@ -248,7 +262,8 @@ def _steps(world: int, args: argparse.Namespace) -> list[tuple[str, Callable, Ca
         ("local", local(tdp), local(sdp)),
         ("global", global_(tdp), global_(sdp)),
         ("finish", finish(tdp), finish(sdp)),
-        ("load", load(tdp), load(sdp)),
+        ("load", load(tdp, t_read), load(sdp, s_read)),
+        ("load/md", load(tdp), load(sdp)),
     ]
 
 

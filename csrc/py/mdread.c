@@ -24,7 +24,11 @@
  * (code, obj)}, obj the value a global stands for (for a pathlib class, the
  * class build.py makes); tp_defaults: TensorProperties().__dict__; size_type:
  * torch.Size, or None (sizes are tuples); memory_formats: the 3 memory
- * formats _MEM_FORMAT_ENCODING 0..2 name. */
+ * formats _MEM_FORMAT_ENCODING 0..2 name; and, optionally, a 6th item
+ * (lazy_min, make_chunks): a Metadata of at least lazy_min chunks in all has
+ * each chunk list the stream shares nothing of (see lazy_chunks) made by
+ * make_chunks(offsets, sizes, n, ndim) from two bytes objects of native int64
+ * (n x ndim, row-major) instead of n ChunkStorageMetadata (_mdlazy.py). */
 #include "module.h"
 #include "ss_mdread.h"
 
@@ -118,6 +122,10 @@ typedef struct bld {
     PyObject *globals, *tp_defaults, *size_type, *memfmt[3];
     PyObject *names[NFIELDS];
     PyObject *empty;
+    PyObject *make_chunks;  /* borrowed; NULL: no compact chunk lists */
+    PyObject *make_storage; /* borrowed; NULL: storage_data as a dict */
+    long long lazy_min;
+    int lazy; /* this Metadata has lazy_min chunks or more */
     int depth;
 } bld;
 
@@ -406,6 +414,313 @@ static int str_or_none(const ss_md_node *n)
     return n == NULL || n->kind == SS_MD_STR || n->kind == SS_MD_NONE;
 }
 
+/* The chunks of every tensor entry of a state_dict_metadata dict node. */
+static long long count_chunks(bld *b, const ss_md_node *sdm)
+{
+    long long total = 0;
+    for (uint32_t p = 0; p < sdm->b; p++) {
+        const ss_md_node *t = N(b, kids(b, sdm)[2 * p + 1]);
+        fields f;
+        if (t->kind == SS_MD_NEWOBJ &&
+            read_state(b, t->c, CLS_TENSOR, &f) == 0 &&
+            is(field(b, &f, F_CHUNKS), SS_MD_LIST))
+            total += field(b, &f, F_CHUNKS)->b;
+    }
+    return total;
+}
+
+/* storage_data in the compact form (_mdlazy.StorageMap). */
+enum {
+    SD_FQN_FRESH = 1,  /* the key's fqn is a str of its own (not shared) */
+    SD_PATH_FRESH = 2, /* the same for relative_path */
+    SD_IDX_NONE = 4,   /* the key's index is None */
+    SD_HAS_CRC = 8,    /* the info has shardstate_crc32 (4th field) */
+    SD_CRC_NONE = 16,  /* ... which is None */
+    SD_OFF_ABSENT = 32 /* the key has no offset field (torch: offset None) */
+};
+
+/* Whether key state f's field order agrees with the keys before it: fqn
+ * before index or after it in all, offset (where present) at one place. */
+static int key_order(const fields *f, int *fqn_first, int *offpos)
+{
+    int fi = -1, ii = -1, oi = -1;
+    for (int j = 0; j < f->n; j++) {
+        if (f->order[j] == F_FQN)
+            fi = j;
+        else if (f->order[j] == F_INDEX)
+            ii = j;
+        else
+            oi = j;
+    }
+    if (*fqn_first < 0)
+        *fqn_first = fi < ii;
+    if (*fqn_first != (fi < ii))
+        return -1;
+    if (oi >= 0) {
+        if (*offpos < 0)
+            *offpos = oi;
+        if (*offpos != oi)
+            return -1;
+    }
+    return 0;
+}
+
+typedef struct sdb {
+    PyObject *strs;   /* the strings, each once (per share slot, or value) */
+    PyObject *fresh;  /* {str: id} of the unshared strings */
+    uint32_t *slotid; /* per share slot: string id + 1, or 0 */
+} sdb;
+
+/* The id in s->strs of the string node i (STR, checked); -1 on error. */
+static Py_ssize_t str_id(bld *b, sdb *s, uint32_t i, int *fresh)
+{
+    const ss_md_node *n = N(b, i);
+    PyObject *v, *hit;
+    Py_ssize_t id;
+    if (n->share && s->slotid[n->share]) {
+        *fresh = 0;
+        return (Py_ssize_t)s->slotid[n->share] - 1;
+    }
+    if ((v = value(b, i)) == NULL)
+        return -1;
+    *fresh = n->share == 0;
+    if (*fresh && (hit = PyDict_GetItemWithError(s->fresh, v)) != NULL) {
+        Py_DECREF(v);
+        return PyLong_AsSsize_t(hit);
+    }
+    id = PyList_GET_SIZE(s->strs);
+    if (PyErr_Occurred() || PyList_Append(s->strs, v) < 0) {
+        Py_DECREF(v);
+        return -1;
+    }
+    if (*fresh) {
+        PyObject *k = PyLong_FromSsize_t(id);
+        int rc = k ? PyDict_SetItem(s->fresh, v, k) : -1;
+        Py_XDECREF(k);
+        if (rc < 0)
+            id = -1;
+    } else {
+        s->slotid[n->share] = (uint32_t)id + 1;
+    }
+    Py_DECREF(v);
+    return id;
+}
+
+/* Whether entry p's key (fqn, offset) equals entry q's (the dict's key
+ * equality: MetadataIndex compares fqn and offset). */
+static int same_key(bld *b, const uint32_t *fq, const int8_t *nd,
+                    const int64_t *ko, const size_t *ks, size_t p, size_t q)
+{
+    const ss_md_node *a = N(b, fq[p]), *c = N(b, fq[q]);
+    if (a->b != c->b || memcmp(b->data + a->a, b->data + c->a, a->b) != 0 ||
+        nd[p] != nd[q])
+        return 0;
+    for (int k = 0; k < nd[p]; k++)
+        if (ko[ks[p] + k] != ko[ks[q] + k])
+            return 0;
+    return 1;
+}
+
+static uint64_t key_hash(bld *b, uint32_t fqn, int nd, const int64_t *dims)
+{
+    const ss_md_node *n = N(b, fqn);
+    const unsigned char *c = (const unsigned char *)b->data + n->a;
+    uint64_t h = 1469598103934665603ull;
+    for (uint32_t k = 0; k < n->b; k++)
+        h = (h ^ c[k]) * 1099511628211ull;
+    h = (h ^ (uint64_t)(nd + 1)) * 1099511628211ull;
+    for (int k = 0; k < nd; k++)
+        h = (h ^ (uint64_t)dims[k]) * 1099511628211ull;
+    return h ^ (h >> 29);
+}
+
+/* storage_data (dict node d) as make_storage(key_order, strings, columns...)'s
+ * compact form, in *out, where every entry is a MetadataIndex {fqn, offset,
+ * index} (the 3 fields in one order for all keys) -> _StorageInfo
+ * {relative_path, offset, length[, shardstate_crc32]} (in that order;
+ * build_index's and build_storage_info's checks) and the stream
+ * shares no key, info or offset Size (strings may be shared: each string
+ * is one object per share slot, as value() makes it); a key met twice
+ * (which the dict walk leaves to the reference) fails. 0 with *out NULL
+ * for any other dict (the walk makes it), -1 with *out NULL: not ours. */
+static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
+{
+    const uint32_t *k = kids(b, d);
+    size_t n = d->kind == SS_MD_DICT ? d->b : 0, dims = 0, cap = 1;
+    sdb s = {0};
+    uint32_t *fq = NULL, *ht = NULL;
+    size_t *ks = NULL;
+    int8_t *nd = NULL;
+    int64_t *ko = NULL;
+    PyObject *arr[9] = {0}, *order = NULL;
+    int fqn_first = -1, offpos = -1, korder[3];
+    int rc = 0;
+
+    *out = NULL;
+    if (d->kind != SS_MD_DICT || d->share)
+        return 0;
+    /* pass 1: the forms (no object made) */
+    for (size_t p = 0; p < n; p++) {
+        const ss_md_node *key = N(b, k[2 * p]), *val = N(b, k[2 * p + 1]);
+        const ss_md_node *off, *x;
+        const uint32_t *dd;
+        uint32_t nn;
+        fields f, g;
+        if (key->share || val->share || obj_class(b, k[2 * p]) != CLS_INDEX ||
+            obj_class(b, k[2 * p + 1]) != CLS_STORAGE_INFO ||
+            read_state(b, key->c, CLS_INDEX, &f) < 0 ||
+            f.n != 2 + f.has[F_OFFSET] || !f.has[F_FQN] || !f.has[F_INDEX] ||
+            key_order(&f, &fqn_first, &offpos) < 0 ||
+            !is(field(b, &f, F_FQN), SS_MD_STR) ||
+            read_state(b, val->c, CLS_STORAGE_INFO, &g) < 0 ||
+            (g.n != 3 && g.n != 4) || g.order[0] != F_RELPATH ||
+            g.order[1] != F_OFFSET || g.order[2] != F_LENGTH ||
+            (g.n == 4 && g.order[3] != F_CRC))
+            return 0;
+        off = field(b, &f, F_OFFSET);
+        x = field(b, &f, F_INDEX);
+        if (x->kind != SS_MD_INT && x->kind != SS_MD_NONE)
+            return 0;
+        if (off != NULL && off->kind != SS_MD_NONE) {
+            if (off->share || size_dims(b, f.node[F_OFFSET], &dd, &nn) < 0 ||
+                nn > 127)
+                return 0;
+            dims += nn;
+        }
+        off = field(b, &g, F_OFFSET);
+        x = field(b, &g, F_LENGTH);
+        if (!is(field(b, &g, F_RELPATH), SS_MD_STR) || !is(off, SS_MD_INT) ||
+            !is(x, SS_MD_INT) || ival(off) < 0 || ival(x) < 0)
+            return 0;
+        x = field(b, &g, F_CRC);
+        if (x != NULL && x->kind != SS_MD_NONE &&
+            (x->kind != SS_MD_INT || ival(x) < 0 ||
+             ival(x) > (int64_t)UINT32_MAX))
+            return 0;
+    }
+    /* pass 2: the arrays, the strings, and no key twice */
+    while (cap < 2 * n)
+        cap <<= 1;
+    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 8};
+    size_t len[9] = {n, n, n, n, dims, n, n, n, n};
+    for (int j = 0; j < 9; j++)
+        if ((arr[j] = PyBytes_FromStringAndSize(
+                 NULL, (Py_ssize_t)(len[j] * width[j]))) == NULL)
+            goto fail;
+    s.strs = PyList_New(0);
+    s.fresh = PyDict_New();
+    s.slotid = PyMem_Calloc((size_t)b->r->shared + 1, sizeof *s.slotid);
+    fq = PyMem_Malloc((n + 1) * sizeof *fq);
+    ks = PyMem_Malloc((n + 1) * sizeof *ks);
+    ht = PyMem_Calloc(cap, sizeof *ht);
+    if (s.strs == NULL || s.fresh == NULL || s.slotid == NULL || fq == NULL ||
+        ks == NULL || ht == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    {
+        int32_t *fid = (int32_t *)PyBytes_AS_STRING(arr[0]);
+        int32_t *pid = (int32_t *)PyBytes_AS_STRING(arr[1]);
+        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(arr[2]);
+        int64_t *kidx = (int64_t *)PyBytes_AS_STRING(arr[5]);
+        int64_t *ioff = (int64_t *)PyBytes_AS_STRING(arr[6]);
+        int64_t *ilen = (int64_t *)PyBytes_AS_STRING(arr[7]);
+        int64_t *crc = (int64_t *)PyBytes_AS_STRING(arr[8]);
+        size_t at = 0;
+        nd = (int8_t *)PyBytes_AS_STRING(arr[3]);
+        ko = (int64_t *)PyBytes_AS_STRING(arr[4]);
+        for (size_t p = 0; p < n; p++) {
+            const ss_md_node *key = N(b, k[2 * p]), *val = N(b, k[2 * p + 1]);
+            const ss_md_node *x;
+            const uint32_t *dd;
+            uint32_t nn = 0;
+            fields f, g;
+            Py_ssize_t id;
+            int fresh;
+            uint64_t h;
+            uint8_t fl = 0;
+            (void)read_state(b, key->c, CLS_INDEX, &f);
+            (void)read_state(b, val->c, CLS_STORAGE_INFO, &g);
+            fq[p] = f.node[F_FQN];
+            ks[p] = at;
+            if (!f.has[F_OFFSET]) {
+                nd[p] = -1;
+                fl |= SD_OFF_ABSENT;
+            } else if (N(b, f.node[F_OFFSET])->kind == SS_MD_NONE) {
+                nd[p] = -1;
+            } else {
+                (void)size_dims(b, f.node[F_OFFSET], &dd, &nn);
+                nd[p] = (int8_t)nn;
+                for (uint32_t j = 0; j < nn; j++)
+                    ko[at++] = ival(N(b, dd[j]));
+            }
+            h = key_hash(b, fq[p], nd[p], ko + ks[p]);
+            for (size_t slot = h & (cap - 1);; slot = (slot + 1) & (cap - 1)) {
+                if (ht[slot] == 0) {
+                    ht[slot] = (uint32_t)p + 1;
+                    break;
+                }
+                if (same_key(b, fq, nd, ko, ks, ht[slot] - 1, p))
+                    goto fail; /* a key twice: the reference decides */
+            }
+            if ((id = str_id(b, &s, f.node[F_FQN], &fresh)) < 0)
+                goto fail;
+            fid[p] = (int32_t)id;
+            fl |= fresh ? SD_FQN_FRESH : 0;
+            if ((id = str_id(b, &s, g.node[F_RELPATH], &fresh)) < 0)
+                goto fail;
+            pid[p] = (int32_t)id;
+            fl |= fresh ? SD_PATH_FRESH : 0;
+            x = field(b, &f, F_INDEX);
+            fl |= x->kind == SS_MD_NONE ? SD_IDX_NONE : 0;
+            kidx[p] = x->kind == SS_MD_NONE ? 0 : ival(x);
+            ioff[p] = ival(field(b, &g, F_OFFSET));
+            ilen[p] = ival(field(b, &g, F_LENGTH));
+            x = field(b, &g, F_CRC);
+            crc[p] = 0;
+            if (x != NULL) {
+                fl |= SD_HAS_CRC;
+                if (x->kind == SS_MD_NONE)
+                    fl |= SD_CRC_NONE;
+                else
+                    crc[p] = ival(x);
+            }
+            flags[p] = fl;
+        }
+    }
+    /* the keys' field order: fqn and index as they came, offset where the
+     * keys that have one put it (last if none has) */
+    korder[0] = fqn_first != 0 ? F_FQN : F_INDEX;
+    korder[1] = fqn_first != 0 ? F_INDEX : F_FQN;
+    korder[2] = F_OFFSET;
+    for (int j = 2; offpos >= 0 && j > offpos; j--) {
+        korder[j] = korder[j - 1];
+        korder[j - 1] = F_OFFSET;
+    }
+    order = PyTuple_Pack(3, b->names[korder[0]], b->names[korder[1]],
+                         b->names[korder[2]]);
+    if (order == NULL)
+        goto fail;
+    *out = PyObject_CallFunction(b->make_storage, "OOOOOOOOOOO", order, s.strs,
+                                 arr[0], arr[1], arr[2], arr[3], arr[4], arr[5],
+                                 arr[6], arr[7], arr[8]);
+    rc = *out != NULL ? 0 : -1;
+    goto out;
+fail:
+    rc = -1;
+out:
+    for (int j = 0; j < 9; j++)
+        Py_XDECREF(arr[j]);
+    Py_XDECREF(order);
+    Py_XDECREF(s.strs);
+    Py_XDECREF(s.fresh);
+    PyMem_Free(s.slotid);
+    PyMem_Free(fq);
+    PyMem_Free(ks);
+    PyMem_Free(ht);
+    return rc;
+}
+
 static PyObject *build_metadata(bld *b, const fields *f)
 {
     PyObject *vals[NFIELDS] = {0}, *out;
@@ -421,6 +736,7 @@ static PyObject *build_metadata(bld *b, const fields *f)
         return NULL;
     vals[F_SDM] = out;
     k = kids(b, sdm);
+    b->lazy = b->make_chunks != NULL && count_chunks(b, sdm) >= b->lazy_min;
     for (uint32_t p = 0; p < sdm->b; p++) {
         int cls = obj_class(b, k[2 * p + 1]);
         PyObject *key, *v;
@@ -438,6 +754,9 @@ static PyObject *build_metadata(bld *b, const fields *f)
         if (!ok)
             goto fail;
     }
+    if (b->lazy && b->make_storage != NULL && f->has[F_STORAGE] &&
+        lazy_storage(b, N(b, f->node[F_STORAGE]), &vals[F_STORAGE]) < 0)
+        goto fail;
     return make(b, CLS_METADATA, f, vals);
 fail:
     Py_DECREF(out);
@@ -490,6 +809,61 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
     return 0;
 }
 
+/* Whether a chunk list (checked by chunks_inside) stands for exactly the
+ * objects lazy_chunks' list makes on demand: the stream shares neither the
+ * list, nor a chunk, nor a chunk's offsets or sizes with anything (the
+ * eager walk would make those one object, used twice), and each chunk's
+ * state is {offsets, sizes} in that order (the attribute order _mdlazy
+ * sets). */
+static int lazy_ok(bld *b, const ss_md_node *list)
+{
+    const uint32_t *ck = kids(b, list);
+    if (list->share)
+        return 0;
+    for (uint32_t c = 0; c < list->b; c++) {
+        const ss_md_node *cn = N(b, ck[c]);
+        fields f;
+        if (cn->share || read_state(b, cn->c, CLS_CHUNK, &f) < 0 || f.n != 2 ||
+            f.order[0] != F_OFFSETS || N(b, f.node[F_OFFSETS])->share ||
+            N(b, f.node[F_SIZES])->share)
+            return 0;
+    }
+    return 1;
+}
+
+/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits. */
+static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
+{
+    const uint32_t *ck = kids(b, list);
+    size_t cells = (size_t)list->b * nd;
+    PyObject *off = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8));
+    PyObject *len =
+        off ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8)) : NULL;
+    PyObject *out = NULL;
+    if (len != NULL) {
+        int64_t *po = (int64_t *)PyBytes_AS_STRING(off);
+        int64_t *pl = (int64_t *)PyBytes_AS_STRING(len);
+        for (uint32_t c = 0; c < list->b; c++) {
+            const uint32_t *d1, *d2;
+            uint32_t n1, n2;
+            fields f;
+            /* lazy_ok and chunks_inside checked every one of these */
+            (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
+            (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
+            (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
+            for (uint32_t k = 0; k < nd; k++) {
+                po[(size_t)c * nd + k] = ival(N(b, d1[k]));
+                pl[(size_t)c * nd + k] = ival(N(b, d2[k]));
+            }
+        }
+        out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
+                                    (unsigned)list->b, (unsigned)nd);
+    }
+    Py_XDECREF(off);
+    Py_XDECREF(len);
+    return out;
+}
+
 static PyObject *build_tensor(bld *b, const fields *f)
 {
     const ss_md_node *chunks = field(b, f, F_CHUNKS);
@@ -505,9 +879,14 @@ static PyObject *build_tensor(bld *b, const fields *f)
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
     PyObject *vals[NFIELDS] = {0};
-    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
-    if (vals[F_SIZE] == NULL)
+    if (b->lazy && lazy_ok(b, chunks) &&
+        (vals[F_CHUNKS] = lazy_chunks(b, chunks, nd)) == NULL)
         return NULL;
+    vals[F_SIZE] = size_val(b, f->node[F_SIZE]);
+    if (vals[F_SIZE] == NULL) {
+        Py_XDECREF(vals[F_CHUNKS]);
+        return NULL;
+    }
     return make(b, CLS_TENSOR, f, vals);
 }
 
@@ -823,8 +1202,25 @@ static void mark_keys(bld *b)
 static int unpack_ctx(bld *b, PyObject *ctx)
 {
     PyObject *cls, *mf;
-    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 5)
+    if (!PyTuple_Check(ctx) ||
+        (PyTuple_GET_SIZE(ctx) != 5 && PyTuple_GET_SIZE(ctx) != 6))
         goto bad;
+    if (PyTuple_GET_SIZE(ctx) == 6 && PyTuple_GET_ITEM(ctx, 5) != Py_None) {
+        PyObject *lz = PyTuple_GET_ITEM(ctx, 5);
+        if (!PyTuple_Check(lz) ||
+            (PyTuple_GET_SIZE(lz) != 2 && PyTuple_GET_SIZE(lz) != 3) ||
+            !PyLong_Check(PyTuple_GET_ITEM(lz, 0)) ||
+            !PyCallable_Check(PyTuple_GET_ITEM(lz, 1)) ||
+            (PyTuple_GET_SIZE(lz) == 3 &&
+             !PyCallable_Check(PyTuple_GET_ITEM(lz, 2))))
+            goto bad;
+        if (PyTuple_GET_SIZE(lz) == 3)
+            b->make_storage = PyTuple_GET_ITEM(lz, 2);
+        b->lazy_min = PyLong_AsLongLong(PyTuple_GET_ITEM(lz, 0));
+        if (b->lazy_min == -1 && PyErr_Occurred())
+            return -1;
+        b->make_chunks = PyTuple_GET_ITEM(lz, 1);
+    }
     cls = PyTuple_GET_ITEM(ctx, 0);
     b->globals = PyTuple_GET_ITEM(ctx, 1);
     b->tp_defaults = PyTuple_GET_ITEM(ctx, 2);

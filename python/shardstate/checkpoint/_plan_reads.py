@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..geometry import OverlapIndex, chunk_arrays
+from ._mdlazy import arrays_of
 from ._tensors import to_size
 from .metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from .planner import LoadItemType, ReadItem
@@ -57,29 +58,36 @@ def create_read_items_for_chunk_list(
     saved = checkpoint_md.chunks
     if not local_chunks or not saved:
         return []
+    ndim = len(local_chunks[0].offsets)
+    # The reader's compact chunk lists (_mdlazy) answer from their arrays,
+    # making no chunk object; a list of another ndim is the list's business.
+    arrays = arrays_of(saved)
+    if arrays is not None and arrays[0].shape[1] != ndim:
+        arrays = None
+    chunk_at = saved.make_chunk if arrays is not None else saved.__getitem__
     if len(saved) == 1 and len(local_chunks) == 1:
-        item = _same_box_read(fqn, saved[0], local_chunks[0])
+        item = _same_box_read(fqn, chunk_at(0), local_chunks[0])
         if item is not None:
             return [item]
-    ndim = len(local_chunks[0].offsets)
     # The saved boxes as arrays, read in C (every saved chunk is looked at
     # once, for about 0.1 us; torch sorts them all in Python per call).
-    arrays = None
-    if ndim and len(saved) > 1 and _index is None:
+    lazy = arrays is not None
+    if not lazy and ndim and len(saved) > 1 and _index is None:
         try:
             arrays = chunk_arrays(saved, ndim)
         except (AttributeError, OverflowError, TypeError, ValueError):
             arrays = None
     ends = None
     if arrays is not None and ndim > 1:
-        ends = np.maximum((arrays[0] + arrays[1]).max(axis=0), 0).tolist()
+        ends = np.maximum((arrays[0] + arrays[1]).max(axis=0), 0).tolist() \
+            if len(arrays[0]) else [0] * ndim
     d = _sweep_dim(local_chunks, saved, ndim, ends)
     if ndim == 0:
         local_order: Sequence[int] = range(len(local_chunks))
     else:
         local_order = sorted(range(len(local_chunks)), key=lambda i: local_chunks[i].offsets[d])
     if len(saved) == 1:
-        hits = [_single_overlap(saved[0], local_chunks[i]) for i in local_order]
+        hits = [_single_overlap(chunk_at(0), local_chunks[i]) for i in local_order]
     else:
         requests = [(local_chunks[i].offsets, local_chunks[i].sizes) for i in local_order]
         found = None
@@ -95,19 +103,34 @@ def create_read_items_for_chunk_list(
             else:
                 index = OverlapIndex([(c.offsets, c.sizes) for c in saved], ndim=ndim)
             hits = index.query_many(requests)
+    if lazy:
+        assert arrays is not None
+        offs = arrays[0]
+        end_d = arrays[0][:, d] + arrays[1][:, d] if ndim else None
+
+        def saved_end(si: int) -> int:
+            return int(end_d[si])  # type: ignore[index]
+
+        def saved_offsets(si: int) -> Any:
+            return to_size(offs[si].tolist())
+    else:
+        def saved_end(si: int) -> int:
+            return saved[si].offsets[d] + saved[si].sizes[d]
+
+        def saved_offsets(si: int) -> Any:
+            return saved[si].offsets
     items: list[ReadItem] = []
     for li, overlaps in zip(local_order, hits):
         local = local_chunks[li]
         if ndim and len(overlaps) > 1:
-            overlaps = sorted(overlaps, key=lambda o: (
-                saved[o[0]].offsets[d] + saved[o[0]].sizes[d], o[0]))
+            overlaps = sorted(overlaps, key=lambda o: (saved_end(o[0]), o[0]))
         dest_index = MetadataIndex(fqn, local.offsets, li)
         for si, soff, doff, lengths in overlaps:
             items.append(ReadItem(
                 type=LoadItemType.TENSOR,
                 dest_index=dest_index,
                 dest_offsets=to_size(doff),
-                storage_index=MetadataIndex(fqn, saved[si].offsets, si),
+                storage_index=MetadataIndex(fqn, saved_offsets(si), si),
                 storage_offsets=to_size(soff),
                 lengths=to_size(lengths),
             ))

@@ -35,6 +35,7 @@ from .. import _core
 from .. import io as ssio
 from .._core import ShardstateError
 from .._util import contiguous_strides
+from . import _mdlazy
 from ._zipfmt import (
     RecordFormatError,
     TensorRecordPlan,
@@ -290,7 +291,7 @@ class _Records:
         self.path = path
         self.storage_data = storage_data
         self.metadata = metadata
-        self._chunk_maps: dict[str, dict[tuple[int, ...], Any]] = {}
+        self._chunk_maps: dict[Any, dict[tuple[int, ...], Any]] = {}
         # (dtype, sizes) -> _dense_plan's answer: many chunks share one shape
         self._dense: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
@@ -360,6 +361,18 @@ class _Records:
             return None
         want = tuple(index.offset)
         i = index.index
+        arrays = _mdlazy.arrays_of(chunks)
+        if arrays is not None:  # the reader's compact form: no list made
+            offs = arrays[0]
+            if not (isinstance(i, int) and 0 <= i < len(offs) and tuple(offs[i].tolist()) == want):
+                key = (index.fqn, "index")  # offsets -> position (the last, as below)
+                at = self._chunk_maps.get(key)
+                if at is None:
+                    at = self._chunk_maps[key] = {tuple(o): k for k, o in enumerate(offs.tolist())}
+                i = at.get(want)
+                if i is None:
+                    return None
+            return tmd, chunks.make_chunk(i)
         if isinstance(i, int) and 0 <= i < len(chunks) and tuple(chunks[i].offsets) == want:
             return tmd, chunks[i]
         by_offset = self._chunk_maps.get(index.fqn)

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import io as ssio
-from . import _fs_verify
+from . import _fs_verify, _mdlazy
 from ._extension import ExtensionRegistry as ExtensionRegistry
 from ._extension import StreamTransformExtension as StreamTransformExtension
 from ._fs_bcast import _Schedule, exchange, plan_broadcast, read_shared
@@ -432,7 +432,11 @@ class FileSystemReader(StorageReader):
             raise StorageFormatError(f"{self.path}: metadata has no storage_data")
         # Keyed by (fqn, offset) so plans made with torch's MetadataIndex and
         # with ours find the same entries (the two classes never compare equal).
-        self.storage_data = {_index_key(k): v for k, v in metadata.storage_data.items()}
+        sd = metadata.storage_data
+        if type(sd) is _mdlazy.StorageMap:  # a large file's compact form: looked up, not copied
+            self.storage_data = _mdlazy.IndexKeyView(sd)
+        else:
+            self.storage_data = {_index_key(k): v for k, v in sd.items()}
         self._records = _Records(self.path, self.storage_data, metadata)
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)

@@ -16,6 +16,11 @@ layouts, memory formats, and the pathlib classes with the class
 them; it is made once per torch state (loaded or not), with
 TensorProperties' defaults taken at each call (the default dtype may change).
 
+A Metadata of at least ``_mdlazy.LAZY_MIN`` chunks gets its chunk lists and
+its storage_data in the compact form (``_mdlazy.ChunkList``, ``StorageMap``:
+int64 arrays filled by C; the objects made on demand) wherever the stream
+shares nothing of them.
+
 No torch import; thread-safe.
 """
 
@@ -24,8 +29,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import numpy as np
+
 from ... import _core
 from ..._util import loaded_torch
+from .. import _mdlazy
 from .. import metadata as _md
 from . import build as _b
 from .allowlist import _PATH_CLASSES
@@ -41,6 +49,11 @@ _FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, 
            _b._F_STORAGE_META, _b._F_STORAGE_INFO)
 
 _cache: dict[bool, tuple[Any, ...] | None] = {}
+
+# The columns csrc/py/mdread.c's lazy_storage hands make_storage, in order.
+_STORAGE_COLS = (("fid", np.int32), ("pid", np.int32), ("flags", np.uint8), ("kndim", np.int8),
+                 ("koff", np.int64), ("kidx", np.int64), ("off", np.int64), ("len", np.int64),
+                 ("crc", np.int64))
 
 
 def _plain_attrs(cls: type, names: frozenset[str]) -> bool:
@@ -95,7 +108,22 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     memfmt = tuple(_torch_obj(n, torch) for n in (
         "torch.contiguous_format", "torch.channels_last", "torch.preserve_format"))
     size_type = torch.Size if torch is not None else None
-    got = _cache[key] = (classes, g, size_type, memfmt)
+    chunk_cls = _md.ChunkStorageMetadata
+    size_or_tuple = size_type if size_type is not None else tuple
+
+    def make_chunks(off: bytes, sizes: bytes, count: int, ndim: int) -> _mdlazy.ChunkList:
+        o = np.frombuffer(off, np.int64).reshape(count, ndim)
+        n = np.frombuffer(sizes, np.int64).reshape(count, ndim)
+        return _mdlazy.ChunkList(o, n, chunk_cls, size_or_tuple)
+
+    index_cls, info_cls = _md.MetadataIndex, _md._StorageInfo
+
+    def make_storage(key_order: tuple[str, str, str], strs: list[str],
+                     *cols: bytes) -> _mdlazy.StorageMap:
+        arrays = {name: np.frombuffer(b, dt) for (name, dt), b in zip(_STORAGE_COLS, cols)}
+        return _mdlazy.StorageMap(key_order, strs, arrays, index_cls, info_cls, size_or_tuple)
+
+    got = _cache[key] = (classes, g, size_type, memfmt, make_chunks, make_storage)
     return got
 
 
@@ -105,9 +133,10 @@ def _fast(data: Any) -> Any:
     ctx = _context(loaded_torch())
     if ctx is None:
         return None
-    classes, g, size_type, memfmt = ctx
+    classes, g, size_type, memfmt, make_chunks, make_storage = ctx
     try:
         defaults = dict(_md.TensorProperties().__dict__)
     except Exception:  # noqa: BLE001 - the reference builds these itself
         return None
-    return _core.metadata_decode(data, (classes, g, defaults, size_type, memfmt))
+    return _core.metadata_decode(data, (classes, g, defaults, size_type, memfmt,
+                                        (_mdlazy.LAZY_MIN, make_chunks, make_storage)))

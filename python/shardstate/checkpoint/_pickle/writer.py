@@ -52,7 +52,7 @@ from typing import Any
 
 from ... import _core
 from ..._util import gc_paused, loaded_torch
-from .. import _torchfree
+from .. import _mdlazy, _torchfree
 from .. import metadata as _smd
 from .names import (
     _FS_MOD,
@@ -556,6 +556,9 @@ def _dumps(md: Any, generic: bool | None = None, c: bool = True) -> bytes | None
     ``False`` the fast one only (None where it hands over); ``True`` the
     generic one only. Tests and the benchmark compare them."""
     torch = loaded_torch()
+    # the reader's compact chunk lists (_mdlazy) are written as the lists
+    # they stand for: the bytes torch writes for those
+    md = _mdlazy.materialized(md)
     with gc_paused():
         for ph in _placeholder_sets():
             if c and not generic:
