@@ -2,19 +2,20 @@
 
 The files are those torch 2.13's writer makes for the same plan: a rank's
 items bucketed as torch buckets them (``_split_by_size_and_type``), in the
-same order, each a ``torch.save`` zip record. Every record is laid out up
-front (``_records._record_plan``), then one ``shardstate.io.write`` batch
-writes all headers, tensor bytes (straight from the tensors' memory, or from
-CUDA memory through a pipeline of pinned buffers) and bytes items while
-computing each tensor's CRC-32; the small trailers, which hold the CRC, are
-then patched from a template and written with ``pwrite`` before each file
-is fsynced. Records of at most ``_PACK_RECORD`` data bytes are instead laid
-out whole in memory (their CRC computed on the copy) and each run of them
-is one job of that batch (``_Packer``): per-job and per-trailer work, not
-bytes, is what a save of many small tensors costs. A writer with stream
-transforms (``_extensions``) builds each record in memory instead, through
-the transforms (``_fs_transform``), and the engine writes the transformed
-bytes (``_write_transformed``).
+same order, each a ``torch.save`` zip record. ``write_files`` lays every
+item out as one row of an int64 table (file, offset, buffer, plan,
+device): a tensor's row names its storage bytes (a view of the tensor's
+own memory, or of CUDA memory for the staging pipeline) and its record
+framing (``_plan``: a ``_core.RecordPlan``, csrc/core/ss_zipwrite.c), a
+bytes item's row its bytes. One ``shardstate.io.write_records`` call then
+does the rest in C with the GIL released (csrc/core/ss_iorec.h): small
+records packed into run buffers, headers, data and bytes items written
+while their CRC-32s are computed, each big record's trailer patched for
+its data's CRC and written in place, files with no item created empty,
+every file fsynced. A writer with stream transforms (``_extensions``)
+builds each record in memory instead, through the transforms
+(``_fs_transform``, framing from ``_zipfmt``), and the engine writes the
+transformed bytes (``_write_transformed``).
 
 Known limit: CUDA tensors of a second device are copied to the CPU, all of
 a rank's at once, before the write batch.
