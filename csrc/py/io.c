@@ -489,7 +489,8 @@ static int get_table(PyObject *obj, int64_t **rows, Py_ssize_t *n)
         PyErr_NoMemory();
         goto out;
     }
-    memcpy(*rows, v.buf, (size_t)v.len);
+    if (v.len > 0)
+        memcpy(*rows, v.buf, (size_t)v.len);
     rc = 0;
 out:
     PyBuffer_Release(&v);
