@@ -177,11 +177,15 @@ static void test_write_records(void)
         expect_record(want, &at, recs[k].plan, recs[k].src);
     CHECK_EQ_INT(at, off);
 
-    for (uint64_t run = 0; run <= 1; run++) { /* default runs; one per run */
+    ss_pool *pool = NULL;
+    CHECK_EQ_INT(ss_pool_new(&pool, 3), 0);
+    /* default runs, then one record per run (run tasks on a pool) */
+    for (uint64_t run = 0; run <= 1; run++) {
         ss_io_opts o = SS_IO_OPTS_INIT;
         o.fsync = 1;
+        o.piece = 4096; /* the big record's data in pieces, on the pool */
         unlink(path1);
-        CHECK_EQ_INT(ss_io_write_records(NULL, NULL, paths, 2, recs, NREC, &o,
+        CHECK_EQ_INT(ss_io_write_records(NULL, pool, paths, 2, recs, NREC, &o,
                                          run, crcs, &e),
                      0);
         uint8_t *got = slurp(path0, &n);
@@ -196,6 +200,7 @@ static void test_write_records(void)
         CHECK(crcs[3] == ss_crc32(0, b, 80000));
         CHECK_EQ_INT(crcs[4], 0);
     }
+    ss_pool_free(pool);
 
     /* bad tables: refused with the record's index, nothing written */
     ss_io_record bad[2] = {recs[1], recs[2]};
