@@ -11,6 +11,7 @@
  */
 #include "module.h"
 #include "ss_io.h"
+#include "ss_iorec.h"
 
 #include <string.h>
 
@@ -458,6 +459,158 @@ out:
     return result;
 }
 
+/* write_records: the table's columns. */
+enum { T_FILE, T_OFFSET, T_BUFFER, T_PLAN, T_DEVICE, T_COLS };
+
+/* The job table: a C-contiguous 2-D int64 array of T_COLS columns; its
+ * rows are copied to *rows (n of them). */
+static int get_table(PyObject *obj, int64_t **rows, Py_ssize_t *n)
+{
+    Py_buffer v;
+    const char *f;
+    int rc = -1;
+
+    if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    f = v.format != NULL ? v.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (v.ndim != 2 || v.shape[1] != T_COLS || v.itemsize != 8 ||
+        (strcmp(f, "q") && strcmp(f, "l"))) {
+        PyErr_Format(PyExc_ValueError,
+                     "table must be a C-contiguous int64 array of shape "
+                     "(n, %d): file, offset, buffer, plan, device",
+                     T_COLS);
+        goto out;
+    }
+    *n = v.shape[0];
+    *rows = PyMem_Malloc((size_t)v.len + 8);
+    if (*rows == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (v.len > 0)
+        memcpy(*rows, v.buf, (size_t)v.len);
+    rc = 0;
+out:
+    PyBuffer_Release(&v);
+    return rc;
+}
+
+static PyObject *py_write_records(PyObject *m, PyObject *const *args,
+                                  Py_ssize_t nargs)
+{
+    ss_state *st = ss_get_state(m);
+    batch_args a = {0};
+    ss_io_opts o = SS_IO_OPTS_INIT;
+    ss_io_record *recs = NULL;
+    const struct ss_zip_plan **plans = NULL;
+    PyObject *plan_seq = NULL, *result = NULL;
+    int64_t *rows = NULL;
+    uint32_t *crcs = NULL;
+    char *dev = NULL;
+    const ss_os *os = NULL;
+    ss_pool *pool = NULL;
+    Py_ssize_t n = 0, nbufs, nplans = 0;
+    size_t pack_run = 0;
+    ss_errinfo info;
+    int rc, cuda = 0;
+
+    if (check_nargs("write_records", nargs, 13) < 0 ||
+        get_table(args[1], &rows, &n) < 0 ||
+        ss_py_stage_arg(st, args[8], &o.stage, &cuda) < 0 ||
+        ss_py_stream_arg(args[9], &o.stream) < 0 ||
+        ss_py_pool_arg(st, args[4], &pool) < 0 ||
+        (o.fsync = PyObject_IsTrue(args[5])) < 0 ||
+        (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
+        (o.writeback = PyObject_IsTrue(args[7])) < 0 ||
+        ss_py_faults_arg(st, args[10], &os) < 0 ||
+        piece_arg(args[11], &o.piece) < 0 ||
+        piece_arg(args[12], &pack_run) < 0 || get_paths(args[0], &a) < 0)
+        goto out;
+    nbufs = PySequence_Size(args[2]);
+    plan_seq = PySequence_Fast(args[3], "plans must be a sequence");
+    if (nbufs < 0 || plan_seq == NULL)
+        goto out;
+    nplans = PySequence_Fast_GET_SIZE(plan_seq);
+    plans = PyMem_Calloc((size_t)nplans + 1, sizeof *plans);
+    dev = PyMem_Calloc((size_t)nbufs + 1, 1);
+    recs = PyMem_Calloc((size_t)n + 1, sizeof *recs);
+    crcs = PyMem_Calloc((size_t)n + 1, sizeof *crcs);
+    if (plans == NULL || dev == NULL || recs == NULL || crcs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < nplans; i++)
+        if (ss_py_zip_plan_arg(st, PySequence_Fast_GET_ITEM(plan_seq, i),
+                               &plans[i]) < 0)
+            goto out;
+    for (Py_ssize_t k = 0; k < n; k++) { /* indices first: no view yet */
+        const int64_t *r = &rows[k * T_COLS];
+        const char *bad = NULL;
+        if (r[T_FILE] < 0 || r[T_FILE] >= a.npaths)
+            bad = "file is not an index into paths";
+        else if (r[T_OFFSET] < 0)
+            bad = "offset is negative";
+        else if (r[T_BUFFER] < 0 || r[T_BUFFER] >= nbufs)
+            bad = "buffer is not an index into buffers";
+        else if (r[T_PLAN] < -1 || r[T_PLAN] >= nplans)
+            bad = "plan is neither -1 nor an index into plans";
+        else if (r[T_DEVICE] != 0 && r[T_DEVICE] != 1)
+            bad = "device is neither 0 nor 1";
+        else if (r[T_DEVICE] && o.stage == NULL)
+            bad = "device is set but no stage was given";
+        if (bad != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "table row %zd (file %lld, offset %lld, buffer %lld, "
+                         "plan %lld, device %lld): %s",
+                         k, (long long)r[0], (long long)r[1], (long long)r[2],
+                         (long long)r[3], (long long)r[4], bad);
+            goto out;
+        }
+        dev[r[T_BUFFER]] |= (char)r[T_DEVICE];
+    }
+    if (get_views(args[2], 0, cuda ? dev : NULL, &a) < 0)
+        goto out;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const int64_t *r = &rows[k * T_COLS];
+        const Py_buffer *v = &a.views[r[T_BUFFER]];
+        const struct ss_zip_plan *p = r[T_PLAN] >= 0 ? plans[r[T_PLAN]] : NULL;
+        if (p != NULL && (uint64_t)v->len != ss_zip_plan_data_length(p)) {
+            PyErr_Format(PyExc_ValueError,
+                         "table row %zd: buffers[%lld] has %zd bytes but "
+                         "plans[%lld] stores %llu",
+                         k, (long long)r[T_BUFFER], v->len,
+                         (long long)r[T_PLAN],
+                         (unsigned long long)ss_zip_plan_data_length(p));
+            goto out;
+        }
+        recs[k] = (ss_io_record){v->buf,
+                                 (uint64_t)v->len,
+                                 (uint32_t)r[T_FILE],
+                                 r[T_OFFSET],
+                                 p,
+                                 (int)r[T_DEVICE] && v->len > 0};
+    }
+    Py_BEGIN_ALLOW_THREADS
+        rc = ss_io_write_records(os, pool, a.paths, (size_t)a.npaths, recs,
+                                 (size_t)n, &o, pack_run, crcs, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        ss_py_raise(st, rc, &info);
+    else
+        result = crc_list(crcs, n);
+out:
+    Py_XDECREF(plan_seq);
+    PyMem_Free(plans);
+    PyMem_Free(dev);
+    PyMem_Free(recs);
+    PyMem_Free(crcs);
+    PyMem_Free(rows);
+    args_release(&a);
+    return result;
+}
+
 /* _raw_pwrite / _raw_pread: the benchmark baselines. */
 static PyObject *raw_common(PyObject *m, PyObject *const *args,
                             Py_ssize_t nargs, int writing)
@@ -535,6 +688,20 @@ static PyMethodDef io_methods[] = {
      "int-or-None per job, checked when verify is true. Returns each job's "
      "CRC-32 (0 for jobs neither checksummed nor verified). device: None or "
      "a bool per job; a device job's buffer is staged through stage."},
+    {"write_records", (PyCFunction)(void (*)(void))py_write_records,
+     METH_FASTCALL,
+     "write_records(paths, table, buffers, plans, pool, fsync, checksum, "
+     "writeback, stage, stream, faults, piece, pack_run)\n--\n\n"
+     "A rank's save in one call, with the GIL released (ss_iorec.h): each "
+     "row of table (int64, shape (n, 5): file index into paths, offset, "
+     "buffer index into buffers, plan index into plans or -1, device 0/1) "
+     "is a tensor record (buffers[b] framed by plans[p], a RecordPlan: "
+     "header, data, trailer with the data's CRC-32, small ones packed) or, "
+     "with plan -1, a plain job. Every path is created or truncated (a path "
+     "with no row is left empty) and, with fsync, fsynced. Returns each "
+     "row's data CRC-32 (a plain row's only with checksum). A device row's "
+     "buffer is staged through stage, as in write_batch. piece, pack_run: "
+     "bytes per task and per packed run, 0 = default."},
     {"_raw_pwrite", (PyCFunction)(void (*)(void))py_raw_pwrite, METH_FASTCALL,
      "_raw_pwrite(path, buffer, piece)\n--\n\n"
      "Benchmark baseline: one thread, plain pwrite loop, no checksum."},

@@ -16,7 +16,7 @@ static int ss_exec(PyObject *m)
         ss_py_stage_init(m, st) < 0 || ss_py_cuda_init(m, st) < 0 ||
         ss_py_comm_init(m, st) < 0 || ss_py_pickle_init(m, st) < 0 ||
         ss_py_mdwrite_init(m, st) < 0 || ss_py_mdread_init(m, st) < 0 ||
-        ss_py_plan_init(m, st) < 0)
+        ss_py_plan_init(m, st) < 0 || ss_py_zipwrite_init(m, st) < 0)
         return -1;
     return 0;
 }
@@ -34,6 +34,7 @@ static int ss_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->FlatLayout_type);
     Py_VISIT(st->Stage_type);
     Py_VISIT(st->NcclComm_type);
+    Py_VISIT(st->RecordPlan_type);
     return 0;
 }
 
@@ -50,6 +51,7 @@ static int ss_clear(PyObject *m)
     Py_CLEAR(st->FlatLayout_type);
     Py_CLEAR(st->Stage_type);
     Py_CLEAR(st->NcclComm_type);
+    Py_CLEAR(st->RecordPlan_type);
     return 0;
 }
 

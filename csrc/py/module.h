@@ -25,6 +25,7 @@ typedef struct {
     PyTypeObject *FlatLayout_type;
     PyTypeObject *Stage_type;
     PyTypeObject *NcclComm_type;
+    PyTypeObject *RecordPlan_type;
 } ss_state;
 
 extern PyModuleDef ss_module_def;
@@ -66,6 +67,12 @@ int ss_py_cai_buffer(PyObject *obj, const char *what, int writable, void **ptr,
 /* A CUDA stream: None (the default stream, NULL) or an int handle such as
  * torch.cuda.current_stream().cuda_stream. 0, or -1 with an error set. */
 int ss_py_stream_arg(PyObject *obj, void **out);
+
+/* obj is a RecordPlan: its ss_zip_plan in *out. 0, or -1 with TypeError
+ * set. */
+struct ss_zip_plan;
+int ss_py_zip_plan_arg(ss_state *st, PyObject *obj,
+                       const struct ss_zip_plan **out);
 
 /* obj is None or a FaultInjector: its vtable in *out (NULL for None).
  * 0, or -1 with TypeError set. */
@@ -110,5 +117,6 @@ int ss_py_pickle_init(PyObject *m, ss_state *st);
 int ss_py_mdwrite_init(PyObject *m, ss_state *st);
 int ss_py_mdread_init(PyObject *m, ss_state *st);
 int ss_py_plan_init(PyObject *m, ss_state *st);
+int ss_py_zipwrite_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */

@@ -46,6 +46,26 @@ class Stage:
     @property
     def copies(self) -> int: ...
 
+class RecordPlan:
+    def __init__(
+        self,
+        dtype: str,
+        shape: Sequence[int],
+        stride: Sequence[int] | None = None,
+        storage_numel: int | None = None,
+    ) -> None: ...
+    @property
+    def header(self) -> bytes: ...
+    @property
+    def template(self) -> bytes: ...
+    @property
+    def data_offset(self) -> int: ...
+    @property
+    def data_length(self) -> int: ...
+    @property
+    def total_length(self) -> int: ...
+    def trailer(self, crc: int, /) -> bytes: ...
+
 class NcclComm:
     def __init__(
         self,
@@ -181,6 +201,22 @@ def write_batch(
     device: Sequence[bool] | None,
     stream: int | None,
     patch: bool,
+    /,
+) -> list[int]: ...
+def write_records(
+    paths: Sequence[PathArg],
+    table: Buffer,
+    buffers: Sequence[Buffer],
+    plans: Sequence[RecordPlan],
+    pool: ThreadPool | None,
+    fsync: bool,
+    checksum: bool,
+    writeback: bool,
+    stage: Stage | None,
+    stream: int | None,
+    faults: FaultInjector | None,
+    piece: int,
+    pack_run: int,
     /,
 ) -> list[int]: ...
 def read_batch(

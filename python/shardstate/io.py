@@ -38,6 +38,7 @@ PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 __all__ = [
     "FaultInjector", "MappedFile", "ReadJob", "Stage", "WriteJob", "atomic_publish", "file_size",
     "fsync_dir", "inject_faults", "makedirs", "map_file", "read", "read_file", "unlink", "write",
+    "write_records",
 ]
 
 
@@ -215,6 +216,41 @@ def write(
         stream,
         bool(patch),
     )
+
+
+def write_records(
+    paths: Sequence[PathLike],
+    table: Any,
+    buffers: Sequence[Buffer],
+    plans: Sequence[_core.RecordPlan],
+    *,
+    pool: ThreadPool | None = None,
+    threads: int | None = None,
+    fsync: bool = False,
+    checksum: bool = True,
+    writeback: bool = False,
+    stage: Stage | None = None,
+    stream: int | None = None,
+    _piece: int = 0,
+    _pack_run: int = 0,
+    _faults: FaultInjector | None = None,
+) -> list[int]:
+    """Write a rank's torch.save records in one engine call
+    (csrc/core/ss_iorec.h). ``table`` is an int64 array of shape (n, 5),
+    one row per item: index into ``paths``, offset in that file, index into
+    ``buffers``, index into ``plans`` (a ``RecordPlan``: the row is a tensor
+    record, header + the buffer's bytes + the trailer holding their CRC-32)
+    or -1 (a plain job: the buffer's bytes as they are), and 1 for a device
+    buffer (staged through ``stage``, as in :func:`write`) else 0. Every
+    path is created or truncated first (one with no row stays empty) and,
+    with ``fsync``, fsynced before the call returns. Returns each row's data
+    CRC-32 (a plain row's only with ``checksum``). A bad row raises
+    ValueError before anything is written; a system failure
+    ShardstateIOError, leaving the files in an unspecified state."""
+    return _core.write_records(
+        [os.fspath(p) for p in paths], table, buffers, plans, _pool_for(pool, threads),
+        bool(fsync), bool(checksum), bool(writeback), stage, stream, _faults_of(_faults),
+        _piece, _pack_run)
 
 
 def read(

@@ -2,19 +2,20 @@
 
 The files are those torch 2.13's writer makes for the same plan: a rank's
 items bucketed as torch buckets them (``_split_by_size_and_type``), in the
-same order, each a ``torch.save`` zip record. Every record is laid out up
-front (``_records._record_plan``), then one ``shardstate.io.write`` batch
-writes all headers, tensor bytes (straight from the tensors' memory, or from
-CUDA memory through a pipeline of pinned buffers) and bytes items while
-computing each tensor's CRC-32; the small trailers, which hold the CRC, are
-then patched from a template and written with ``pwrite`` before each file
-is fsynced. Records of at most ``_PACK_RECORD`` data bytes are instead laid
-out whole in memory (their CRC computed on the copy) and each run of them
-is one job of that batch (``_Packer``): per-job and per-trailer work, not
-bytes, is what a save of many small tensors costs. A writer with stream
-transforms (``_extensions``) builds each record in memory instead, through
-the transforms (``_fs_transform``), and the engine writes the transformed
-bytes (``_write_transformed``).
+same order, each a ``torch.save`` zip record. ``write_files`` lays every
+item out as one row of an int64 table (file, offset, buffer, plan,
+device): a tensor's row names its storage bytes (a view of the tensor's
+own memory, or of CUDA memory for the staging pipeline) and its record
+framing (``_plan``: a ``_core.RecordPlan``, csrc/core/ss_zipwrite.c), a
+bytes item's row its bytes. One ``shardstate.io.write_records`` call then
+does the rest in C with the GIL released (csrc/core/ss_iorec.h): small
+records packed into run buffers, headers, data and bytes items written
+while their CRC-32s are computed, each big record's trailer patched for
+its data's CRC and written in place, files with no item created empty,
+every file fsynced. A writer with stream transforms (``_extensions``)
+builds each record in memory instead, through the transforms
+(``_fs_transform``, framing from ``_zipfmt``), and the engine writes the
+transformed bytes (``_write_transformed``).
 
 Known limit: CUDA tensors of a second device are copied to the CPU, all of
 a rank's at once, before the write batch.
@@ -25,6 +26,7 @@ or load at a time, as in torch).
 
 from __future__ import annotations
 
+import array
 import collections
 import concurrent.futures
 import functools
@@ -33,17 +35,17 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import _core
 from .. import io as ssio
 from .._core import ShardstateError, crc32
 from .._util import import_torch
 from ._fs_transform import Encoded, WriterTransforms
-from ._records import DATA_CRC_ATTR, _record_plan, _Trailer
+from ._records import DATA_CRC_ATTR, _record_plan
 from .metadata import _StorageInfo
 from .planner import element_size
 from .storage import WriteResult
@@ -229,64 +231,20 @@ def _record_source(value: Any, item: Any,
 # --------------------------------------------------------------------------
 
 
-# A record with at most _PACK_RECORD data bytes is laid out in memory
-# (header, data, trailer with its CRC) with the small records next to it,
-# and each run of them, up to _PACK_SEGMENT bytes, is written as one job:
-# 20,000 small tensors otherwise cost 60,000 jobs and 20,000 trailer patches,
-# most of a save's time, where the copy costs a microsecond each.
-_PACK_RECORD = 64 << 10
-_PACK_SEGMENT = 16 << 20
+# Records of at most this many data bytes (ss_iorec.h SS_IO_PACK_RECORD)
+# are laid out whole in memory by the engine, next to their neighbours, in
+# runs of about _PACK_SEGMENT bytes (0: the engine's default, 16 MiB), each
+# one write job: 20,000 small tensors otherwise cost 60,000 jobs and 20,000
+# trailers, most of a save's time, where the copy costs a microsecond each.
+_PACK_SEGMENT = 0
 
 
-class _Packer:
-    """The runs of small records of one file, each one write job."""
-
-    def __init__(self, path: str, jobs: list[ssio.WriteJob]) -> None:
-        self.path, self.jobs = path, jobs
-        self.start = 0  # file offset of the run
-        self.size = 0
-        self.run: list[tuple[Any, _Trailer, np.ndarray, Any]] = []
-
-    def add(self, cursor: int, rec: Any, trailer: _Trailer, data: np.ndarray,
-            info: Any) -> None:
-        if self.run and (cursor != self.start + self.size or self.size > _PACK_SEGMENT):
-            self.flush()
-        if not self.run:
-            self.start = cursor
-        self.run.append((rec, trailer, data, info))
-        self.size += rec.data_offset + rec.data_length + len(trailer.template)
-
-    def flush(self) -> None:
-        """One buffer for the run; each record's CRC is that of its bytes in
-        the buffer (the bytes written), stored in its storage info."""
-        if not self.run:
-            return
-        buf = np.empty(self.size, np.uint8)
-        pos = 0
-        for rec, trailer, data, info in self.run:
-            h, n = rec.data_offset, rec.data_length
-            buf[pos : pos + h] = np.frombuffer(rec.header, np.uint8)
-            pos += h
-            crc = 0
-            if n:
-                out = buf[pos : pos + n]
-                out[...] = data
-                crc = crc32(out)
-                setattr(info, DATA_CRC_ATTR, crc)
-            pos += n
-            tail = trailer(crc)
-            buf[pos : pos + len(tail)] = np.frombuffer(tail, np.uint8)
-            pos += len(tail)
-        self.jobs.append(ssio.WriteJob(self.path, self.start, buf))
-        self.run, self.size = [], 0
-
-
-@dataclass
-class _PendingTrailer:
-    path: str
-    offset: int
-    trailer: _Trailer
-    job: int  # index of the data job in the batch
+@functools.lru_cache(maxsize=4096)
+def _plan(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...],
+          numel: int) -> Any:
+    """A tensor record's framing (C, ss_zipwrite.h), cached: optimizer
+    states repeat the parameters' shapes."""
+    return _core.RecordPlan(dtype, shape, stride, numel)
 
 
 def _result(item: Any, name: str, offset: int, length: int,
@@ -296,6 +254,9 @@ def _result(item: Any, name: str, offset: int, length: int,
                                                  transform_descriptors=descriptors))
 
 
+_EMPTY = np.empty(0, np.uint8)
+
+
 def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
                 reorder: bool, sync_files: bool,
                 transforms: WriterTransforms | None = None) -> list[WriteResult]:
@@ -303,27 +264,33 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     the whole rank in one engine call; with ``reorder``, each file's tensors
     smallest first (torch's overlapping loader). With ``transforms`` (the
     writer's extensions) every item goes through them instead
-    (``_write_transformed``). Returns the write results."""
+    (``_write_transformed``). Returns the write results.
+
+    The call gets one row per item in an int64 table (file, offset, buffer,
+    plan, device; ``shardstate.io.write_records``), the items' buffers (a
+    list that keeps them alive through the call) and the distinct record
+    plans; the engine writes headers, data, bytes items and trailers, packs
+    small records, creates the files with no items and fsyncs."""
     if transforms is not None:
         return _write_transformed(root, files, planner, reorder, sync_files, transforms)
-    jobs: list[ssio.WriteJob] = []
-    trailers: list[_PendingTrailer] = []
+    paths: list[str] = []
+    rows = array.array("q")
+    buffers: list[Any] = []  # the items' bytes, alive until the call returns
+    plans: list[Any] = []
+    plan_index: dict[Any, int] = {}
     results: list[WriteResult] = []
-    data_jobs: list[tuple[Any, int]] = []  # (a tensor's storage info, its data job)
-    empty_files: list[str] = []
-    keep: list[Any] = []  # tensors whose memory the jobs point into
+    crc_rows: list[tuple[Any, int]] = []  # (a tensor's storage info, its row)
     stage, stage_device = None, None  # for the CUDA tensors of one device
     for name, items in files:
-        path = os.fspath(root / name)
+        f = len(paths)
+        paths.append(os.fspath(root / name))
         byte_items, tensor_items = _file_order(items, reorder)
-        if not items:
-            empty_files.append(path)
         cursor = 0
-        packer = _Packer(path, jobs)
         for item in byte_items:
             data = planner.resolve_data(item)
             buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-            jobs.append(ssio.WriteJob(path, cursor, buf))
+            rows.extend((f, cursor, len(buffers), -1, 0))
+            buffers.append(buf)
             results.append(_result(item, name, cursor, buf.nbytes))
             cursor += buf.nbytes
         for item in tensor_items:
@@ -335,43 +302,35 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
                     stage = _cuda_stage(value.device)
                 on_device = stage is not None and value.device == stage_device
             dtype, shape, stride, numel, data = _record_source(value, item, on_device)
-            rec, trailer = _record_plan(dtype, shape, stride, numel)
-            length = rec.data_offset + rec.data_length + len(trailer.template)
-            if not on_device and rec.data_length <= _PACK_RECORD:
-                assert data.nbytes == rec.data_length
-                results.append(_result(item, name, cursor, length))
-                packer.add(cursor, rec, trailer, data, results[-1].storage_data)
-                cursor += length
-                continue
-            packer.flush()
-            keep.append(data)
-            jobs.append(ssio.WriteJob(path, cursor, rec.header))
-            jobs.append(ssio.WriteJob(path, cursor + rec.data_offset, data,
-                                      device=on_device and data.numel() > 0))
-            trailers.append(
-                _PendingTrailer(path, cursor + rec.data_offset + rec.data_length, trailer,
-                                len(jobs) - 1)
-            )
+            plan = _plan(dtype, shape, stride, numel)
+            p = plan_index.get(plan)
+            if p is None:
+                p = plan_index[plan] = len(plans)
+                plans.append(plan)
+            length = plan.total_length
+            dev = on_device and data.numel() > 0
+            if on_device and not dev:
+                data = _EMPTY  # no bytes to stage
+            rows.extend((f, cursor, len(buffers), p, dev))
+            buffers.append(data)
             results.append(_result(item, name, cursor, length))
-            if rec.data_length:
-                data_jobs.append((results[-1].storage_data, len(jobs) - 1))
+            if plan.data_length:
+                crc_rows.append((results[-1].storage_data, len(rows) // 5 - 1))
             cursor += length
-        packer.flush()
-    # With sync_files, each piece's writeback starts as soon as it is
-    # written: the disk works while the rest is copied, and the fsync
-    # in _finish_files waits only for the tail.
     stream = None
     if stage is not None:
         # the d2h copies start after the kernels queued so far
         stream = import_torch().cuda.current_stream(stage_device).cuda_stream
-    # the empty files torch creates are created by the same batch
-    crcs = ssio.write(jobs, files=empty_files, fsync=False, checksum=True, writeback=sync_files,
-                      stage=stage, stream=stream) if jobs or empty_files else []
-    del keep
-    for info, j in data_jobs:
-        setattr(info, DATA_CRC_ATTR, crcs[j])
-    written = list(dict.fromkeys([*empty_files, *(os.fspath(j.path) for j in jobs)]))
-    _finish_files(written, trailers, crcs, sync_files)
+    # With sync_files, each piece's writeback starts as soon as it is
+    # written: the disk works while the rest is copied, and the final
+    # fsync waits only for the tail.
+    crcs = ssio.write_records(
+        paths, np.frombuffer(rows, np.int64).reshape(-1, 5), buffers, plans,
+        fsync=sync_files, writeback=sync_files, stage=stage, stream=stream,
+        _pack_run=_PACK_SEGMENT) if paths else []
+    del buffers
+    for info, k in crc_rows:
+        setattr(info, DATA_CRC_ATTR, crcs[k])
     return results
 
 
@@ -427,7 +386,8 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         if pending >= _TRANSFORM_BATCH:
             flush()
     flush()
-    _finish_files(paths, [], [], sync_files)
+    if sync_files and paths:
+        ssio.write([], files=paths, patch=True, fsync=True, checksum=False)
     return results
 
 
@@ -455,14 +415,3 @@ def _in_order(tasks: Iterator[tuple], threads: int) -> Iterator[tuple]:
         while window:
             done, fut = window.popleft()
             yield (*done, fut.result())
-
-
-def _finish_files(written: list[str], trailers: list[_PendingTrailer], crcs: list[int],
-                  sync_files: bool) -> None:
-    """Writes each tensor record's trailer (it holds the data's CRC) into
-    its file in place and, with ``sync_files``, fsyncs every written file:
-    one engine batch (patch mode: the files keep their size)."""
-    jobs = [ssio.WriteJob(tr.path, tr.offset, tr.trailer(crcs[tr.job])) for tr in trailers]
-    if jobs or sync_files:
-        ssio.write(jobs, files=written if sync_files else (), patch=True, fsync=sync_files,
-                   checksum=False)

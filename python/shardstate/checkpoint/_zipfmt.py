@@ -12,6 +12,11 @@ emits the header, streams the storage bytes from the tensor's own memory while
 computing their CRC-32, then emits ``trailer(crc)``. Only the trailer depends
 on the data (through its CRC); every offset depends only on sizes.
 
+A save's records are framed by the C port of this writer
+(csrc/core/ss_zipwrite.c, ``_core.RecordPlan``); tests/test_zipwrite.py
+holds the two byte-identical. This one serves stream transforms, the
+reader's recognition of records and the tests.
+
 Invariants: pure Python, no torch import, no pickle.load anywhere. Every
 function is pure and thread-safe. ``parse_record`` raises only
 ``RecordFormatError`` for any input bytes, however malformed.
