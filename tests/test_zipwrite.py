@@ -1,5 +1,5 @@
 """The C record framing (``_core.RecordPlan``, csrc/core/ss_zipwrite.c) and
-the one-call save engine (``io.write_records``, csrc/core/ss_iorec.c).
+the one-call save engine (``io.write_records``, csrc/core/ss_recwrite.c).
 
 * A plan's header and trailers are ``_zipfmt.plan_tensor_record``'s bytes
   for every dtype and many shapes, strides, storage sizes and CRCs, and a

@@ -11,7 +11,7 @@
  */
 #include "module.h"
 #include "ss_io.h"
-#include "ss_iorec.h"
+#include "ss_recwrite.h"
 
 #include <string.h>
 
@@ -692,7 +692,7 @@ static PyMethodDef io_methods[] = {
      METH_FASTCALL,
      "write_records(paths, table, buffers, plans, pool, fsync, checksum, "
      "writeback, stage, stream, faults, piece, pack_run)\n--\n\n"
-     "A rank's save in one call, with the GIL released (ss_iorec.h): each "
+     "A rank's save in one call, with the GIL released (ss_recwrite.h): each "
      "row of table (int64, shape (n, 5): file index into paths, offset, "
      "buffer index into buffers, plan index into plans or -1, device 0/1) "
      "is a tensor record (buffers[b] framed by plans[p], a RecordPlan: "

@@ -236,7 +236,7 @@ def write_records(
     _faults: FaultInjector | None = None,
 ) -> list[int]:
     """Write a rank's torch.save records in one engine call
-    (csrc/core/ss_iorec.h). ``table`` is an int64 array of shape (n, 5),
+    (csrc/core/ss_recwrite.h). ``table`` is an int64 array of shape (n, 5),
     one row per item: index into ``paths``, offset in that file, index into
     ``buffers``, index into ``plans`` (a ``RecordPlan``: the row is a tensor
     record, header + the buffer's bytes + the trailer holding their CRC-32)

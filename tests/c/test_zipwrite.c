@@ -6,7 +6,7 @@
  * _zipfmt.py's (_std_hash, _hash_combine, plan_tensor_record: lengths and
  * CRC-32s of its bytes). */
 #include "ss_crc.h"
-#include "ss_iorec.h"
+#include "ss_recwrite.h"
 #include "ss_os.h"
 #include "ss_test.h"
 #include "ss_zipwrite.h"

@@ -8,7 +8,7 @@ device): a tensor's row names its storage bytes (a view of the tensor's
 own memory, or of CUDA memory for the staging pipeline) and its record
 framing (``_plan``: a ``_core.RecordPlan``, csrc/core/ss_zipwrite.c), a
 bytes item's row its bytes. One ``shardstate.io.write_records`` call then
-does the rest in C with the GIL released (csrc/core/ss_iorec.h): small
+does the rest in C with the GIL released (csrc/core/ss_recwrite.h): small
 records packed into run buffers, headers, data and bytes items written
 while their CRC-32s are computed, each big record's trailer patched for
 its data's CRC and written in place, files with no item created empty,
@@ -231,7 +231,7 @@ def _record_source(value: Any, item: Any,
 # --------------------------------------------------------------------------
 
 
-# Records of at most this many data bytes (ss_iorec.h SS_IO_PACK_RECORD)
+# Records of at most this many data bytes (ss_recwrite.h SS_IO_PACK_RECORD)
 # are laid out whole in memory by the engine, next to their neighbours, in
 # runs of about _PACK_SEGMENT bytes (0: the engine's default, 16 MiB), each
 # one write job: 20,000 small tensors otherwise cost 60,000 jobs and 20,000

@@ -1,4 +1,4 @@
-/* ss_iorec.h - a rank's torch.save records written in one call.
+/* ss_recwrite.h - a rank's torch.save records written in one call.
  *
  * ss_io_write_records writes a table of items: each is either a plain job
  * (bytes written as they are, a DCP bytes item) or a tensor record: the
@@ -40,8 +40,8 @@
  *
  * Thread safety: as ss_io_write. The plans are only read.
  */
-#ifndef SS_IOREC_H
-#define SS_IOREC_H
+#ifndef SS_RECWRITE_H
+#define SS_RECWRITE_H
 
 #include "ss_io.h"
 #include "ss_zipwrite.h"
@@ -66,4 +66,4 @@ int ss_io_write_records(const ss_os *os, ss_pool *pool,
                         const ss_io_opts *opts, uint64_t pack_run,
                         uint32_t *crcs, ss_errinfo *err);
 
-#endif /* SS_IOREC_H */
+#endif /* SS_RECWRITE_H */

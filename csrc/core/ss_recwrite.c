@@ -1,4 +1,4 @@
-/* ss_iorec.c - records to ss_io_write jobs, packed runs, trailer patches.
+/* ss_recwrite.c - records to ss_io_write jobs, packed runs, trailer patches.
  *
  * The table is turned into jobs in its own order: a packed run becomes one
  * job at its first record, a big record two (header from the plan, data
@@ -7,7 +7,7 @@
  * trailers of big records live in one arena, copied from the plans'
  * templates and patched once the data batch has returned the CRCs.
  */
-#include "ss_iorec.h"
+#include "ss_recwrite.h"
 #include "ss_crc.h"
 
 #include <stdatomic.h>
