@@ -198,6 +198,18 @@ def read_batch(
     device: Sequence[bool] | None,
     /,
 ) -> list[int]: ...
+def read_records(
+    paths: Sequence[PathArg],
+    table: Buffer,
+    geom: Buffer,
+    crcs: Buffer,
+    pool: ThreadPool | None,
+    verify: bool,
+    checksum: bool,
+    faults: FaultInjector | None,
+    scratch: int,
+    /,
+) -> None: ...
 def publish(path: PathArg, data: Buffer, fsync: bool, faults: FaultInjector | None, /) -> None: ...
 
 class MappedFile:
