@@ -198,6 +198,10 @@ def read_batch(
     device: Sequence[bool] | None,
     /,
 ) -> list[int]: ...
+def parse_tensor_record(
+    record: Buffer, /
+) -> (tuple[str, tuple[int, ...], tuple[int, ...], int, int, bool, int, int, int, bool, bool]
+      | None): ...
 def read_records(
     paths: Sequence[PathArg],
     table: Buffer,

@@ -7,7 +7,8 @@ finds an item through ``storage_data`` (``_Records.requests``: paths confined
 to the checkpoint directory, every offset and length checked against the
 file) and then recognises its record (``_Records.parse``): a dense record is
 compared with the one we would write for the chunk the metadata describes;
-any other is parsed strictly (``_zipfmt.parse_record``). Both work through a
+any other is parsed strictly (in C, ``ss_zipread``; what it refuses by the
+reference ``_zipfmt.parse_record``). Both work through a
 read-only mapping of the file that touches only the header and trailer pages,
 or (``parse_buffer``) on a record held in memory, which is how an item stored
 through stream transforms (its ``transform_descriptors``) is seen once they
@@ -267,11 +268,18 @@ class _Req:
 
 def _parsed(mm: Any, r: _Req, off: int | None = None, length: int | None = None) -> _Rec:
     """The record at ``mm[off : off + length]`` (by default where
-    ``r.info`` says), parsed strictly."""
+    ``r.info`` says), parsed strictly: by the C parser (``ss_zipread``),
+    or, for a record it refuses, by the reference ``parse_record``, which
+    decides (the C one accepts a subset of what it accepts, with the same
+    results)."""
     if off is None:
         off, length = r.info.offset, r.info.length
     view = memoryview(mm)[off : off + length]
     try:
+        c = _core.parse_tensor_record(view)
+        if c is not None:
+            dtype, shape, stride, soff, _numel, _rg, doff, dlen, crc, conj, neg = c
+            return _Rec(dtype, shape, stride, soff, doff + off, dlen, crc, conj, neg)
         p = parse_record(view, base_offset=off)
     except RecordFormatError as e:
         raise StorageFormatError(f"{r.where()}: {e}") from None
