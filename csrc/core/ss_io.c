@@ -192,35 +192,87 @@ static int has_failed(batch *b)
     return atomic_load_explicit(&b->failed, memory_order_relaxed);
 }
 
+/* A piece-sized buffer for discard bytes: one of the batch's spares (taken
+ * from, then given back to, its list under mu), or a new one; NULL when out
+ * of memory. */
+static void *take_spare(batch *b)
+{
+    void *p = NULL;
+    pthread_mutex_lock(&b->mu);
+    if (b->nspare > 0)
+        p = b->spare[--b->nspare];
+    pthread_mutex_unlock(&b->mu);
+    return p != NULL ? p : malloc(b->psize);
+}
+
+static void give_spare(batch *b, void *p)
+{
+    pthread_mutex_lock(&b->mu);
+    if (p != NULL && b->nspare < b->capspare) {
+        b->spare[b->nspare++] = p;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&b->mu);
+    free(p);
+}
+
+/* Where piece k of a run reads to: its job's buffer, or for a discard
+ * job the next free bytes of the run's spare (*used advances). */
+static char *run_dst(const batch *b, const piece *pc, char *spare, size_t *used)
+{
+    char *p;
+    if (!job_discard(b, pc->job))
+        return (char *)b->r[pc->job].dst;
+    p = spare + *used;
+    *used += (size_t)pc->len;
+    return p;
+}
+
 /* Pieces i .. i + run - 1 (whole small jobs of one file, ascending, small
- * gaps) with one preadv, then each one's CRC. */
+ * gaps) with one preadv, then each one's CRC. A run spans at most a piece,
+ * so its discard jobs' bytes fit one spare buffer. */
 static void read_run(batch *b, size_t i, uint32_t file, int64_t off)
 {
     struct iovec iov[SS_OS_MAX_IOV];
     /* Where the gap bytes go (never read back): the task's own, since pool
      * threads run runs at once and the kernel writes every gap it reads. */
     char discard[SS_IO_COALESCE_GAP];
+    char *spare = NULL;
+    size_t used = 0;
     int cnt = 0;
     int64_t at = -1, end = off;
 
+    for (size_t k = i; k < i + b->pieces[i].run; k++) {
+        if (job_discard(b, b->pieces[k].job) && spare == NULL &&
+            (spare = take_spare(b)) == NULL) {
+            record(b, SS_ENOMEM, "malloc", b->paths[file], off,
+                   (int64_t)b->pieces[k].job);
+            return;
+        }
+    }
     for (size_t k = i; k < i + b->pieces[i].run; k++) {
         const piece *pc = &b->pieces[k];
         int64_t start = job_offset(b, pc->job);
         if (start > end)
             iov[cnt++] = (struct iovec){discard, (size_t)(start - end)};
-        iov[cnt++] = (struct iovec){b->r[pc->job].dst, (size_t)pc->len};
+        iov[cnt++] =
+            (struct iovec){run_dst(b, pc, spare, &used), (size_t)pc->len};
         end = start + (int64_t)pc->len;
     }
     int rc = readv_all(b->os, b->fds[file], iov, cnt, off, &at);
     if (rc < 0) {
         record(b, rc, "preadv", b->paths[file], at, (int64_t)b->pieces[i].job);
+        give_spare(b, spare);
         return;
     }
+    used = 0;
     for (size_t k = i; k < i + b->pieces[i].run; k++) {
         const piece *pc = &b->pieces[k];
+        const char *p = run_dst(b, pc, spare, &used);
         if (wants_crc(b, pc->job))
-            b->piece_crc[k] = ss_crc32(0, b->r[pc->job].dst, pc->len);
+            b->piece_crc[k] = ss_crc32(0, p, pc->len);
     }
+    give_spare(b, spare);
 }
 
 /* Whether piece k can join a run that ends (its data) at end in file. */
@@ -229,9 +281,9 @@ static int joins_run(const batch *b, size_t k, uint32_t file, int64_t end)
     const piece *pc = &b->pieces[k];
     int64_t start = job_offset(b, pc->job);
     return pc->start == 0 && pc->len == job_len(b, pc->job) &&
-           !job_dev(b, pc->job) && !job_discard(b, pc->job) &&
-           pc->len <= SS_IO_COALESCE_JOB && job_file(b, pc->job) == file &&
-           start >= end && (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
+           !job_dev(b, pc->job) && pc->len <= SS_IO_COALESCE_JOB &&
+           job_file(b, pc->job) == file && start >= end &&
+           (uint64_t)(start - end) <= SS_IO_COALESCE_GAP;
 }
 
 /* Reads: group consecutive small whole-job pieces into runs. */
@@ -244,8 +296,7 @@ static void coalesce(batch *b, size_t n, size_t psize)
         int64_t end = first + (int64_t)pc->len;
         size_t m = 1;
         if (pc->start == 0 && pc->len == job_len(b, pc->job) &&
-            !job_dev(b, pc->job) && !job_discard(b, pc->job) &&
-            pc->len <= SS_IO_COALESCE_JOB) {
+            !job_dev(b, pc->job) && pc->len <= SS_IO_COALESCE_JOB) {
             while (k + m < n && m < SS_OS_MAX_IOV / 2 &&
                    joins_run(b, k + m, file, end)) {
                 const piece *nx = &b->pieces[k + m];
@@ -330,20 +381,15 @@ static void dev_read(batch *b, size_t i, uint32_t file, int64_t off)
         record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
 }
 
-/* A discard piece: read into a spare buffer (taken from, then given back
- * to, the batch's list; a new one when none is free), checksum it. */
+/* A discard piece: read into a spare buffer, checksum it. */
 static void discard_read(batch *b, size_t i, uint32_t file, int64_t off)
 {
     const piece *pc = &b->pieces[i];
-    void *p = NULL;
+    void *p = take_spare(b);
     int64_t at = -1;
     int rc;
 
-    pthread_mutex_lock(&b->mu);
-    if (b->nspare > 0)
-        p = b->spare[--b->nspare];
-    pthread_mutex_unlock(&b->mu);
-    if (p == NULL && (p = malloc(b->psize)) == NULL) {
+    if (p == NULL) {
         record(b, SS_ENOMEM, "malloc", b->paths[file], off, (int64_t)pc->job);
         return;
     }
@@ -352,13 +398,7 @@ static void discard_read(batch *b, size_t i, uint32_t file, int64_t off)
         record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
     else
         b->piece_crc[i] = ss_crc32(0, p, pc->len);
-    pthread_mutex_lock(&b->mu);
-    if (b->nspare < b->capspare) {
-        b->spare[b->nspare++] = p;
-        p = NULL;
-    }
-    pthread_mutex_unlock(&b->mu);
-    free(p);
+    give_spare(b, p);
 }
 
 static void piece_task(void *ctx, size_t i)
@@ -375,7 +415,7 @@ static void piece_task(void *ctx, size_t i)
         dev_write(b, i, file, off);
     } else if (b->r != NULL && b->r[pc->job].dev) {
         dev_read(b, i, file, off);
-    } else if (job_discard(b, pc->job)) {
+    } else if (pc->run == 1 && job_discard(b, pc->job)) {
         discard_read(b, i, file, off);
     } else if (b->w != NULL) {
         const char *p = (const char *)b->w[pc->job].src + pc->start;

@@ -95,8 +95,8 @@ typedef struct ss_io_rjob {
     int has_crc;
     int dev; /* dst is device memory (needs opts->stage) */
     /* Read for the CRC only: dst is NULL and the bytes land in engine
-     * scratch (at most one piece per running task, reused; see
-     * ss_io_read_recs). Never coalesced; not with dev. */
+     * scratch (one piece-sized buffer per running task, reused; see
+     * ss_io_read_recs). Coalesced like any job; not with dev. */
     int discard;
 } ss_io_rjob;
 

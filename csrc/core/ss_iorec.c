@@ -154,10 +154,18 @@ static int read_ranges(const ss_os *os, ss_pool *pool, const char *const *paths,
     }
     for (size_t i = 0; i < n; i++) {
         const ss_io_rec *r = &recs[i];
-        int full = r->start == 0 && r->count == r->len;
+        int full = r->start == 0 && r->count == r->len, rest;
         at[i][0] = at[i][1] = at[i][2] = -1;
         if (r->kind != SS_IO_REC_RANGE)
             continue;
+        /* in file order (prefix, range, suffix): small ones coalesce */
+        rest = opts->verify && r->whole && !full;
+        if (rest && r->start > 0) {
+            at[i][1] = (int64_t)k;
+            item[k] = i;
+            jobs[k++] =
+                (ss_io_rjob){NULL, r->start, r->file, r->offset, 0, 0, 0, 1};
+        }
         if (r->count > 0) {
             at[i][0] = (int64_t)k;
             item[k] = i;
@@ -166,15 +174,7 @@ static int read_ranges(const ss_os *os, ss_pool *pool, const char *const *paths,
                                      r->crc,  full && r->whole,
                                      r->dev,  0};
         }
-        if (!opts->verify || !r->whole || full)
-            continue;
-        if (r->start > 0) {
-            at[i][1] = (int64_t)k;
-            item[k] = i;
-            jobs[k++] =
-                (ss_io_rjob){NULL, r->start, r->file, r->offset, 0, 0, 0, 1};
-        }
-        if (r->start + r->count < r->len) {
+        if (rest && r->start + r->count < r->len) {
             uint64_t end = r->start + r->count;
             at[i][2] = (int64_t)k;
             item[k] = i;

@@ -218,6 +218,34 @@ static void test_discard_jobs(void)
                  SS_EINVAL);
 }
 
+/* Small records back to back, partly read: the range reads and the rests'
+ * discard reads are coalesced into preadv runs (default piece size), each
+ * record still checked whole. */
+static void test_coalesced_partial_reads(void)
+{
+    enum { N = 40 };
+    unsigned char out[N][30];
+    ss_io_rec r[N];
+    uint32_t crcs[N];
+    ss_errinfo e;
+
+    for (int k = 0; k < N; k++)
+        r[k] = range_rec(120 * k, 100, 30, 30, out[k], 1);
+    CHECK_EQ_INT(ss_io_read_recs(NULL, pool, paths, 1, r, N, NULL, 0, crcs, &e),
+                 0);
+    for (int k = 0; k < N; k++) {
+        CHECK(memcmp(out[k], data + 120 * k + 30, 30) == 0);
+        CHECK_EQ_INT(crcs[k], ss_crc32(0, data + 120 * k + 30, 30));
+    }
+    data[120 * 17 + 99] ^= 4; /* the last byte of record 17's rest */
+    write_file();
+    CHECK_EQ_INT(ss_io_read_recs(NULL, pool, paths, 1, r, N, NULL, 0, crcs, &e),
+                 SS_ECHECKSUM);
+    CHECK_EQ_INT(e.job, 17);
+    data[120 * 17 + 99] ^= 4;
+    write_file();
+}
+
 int main(void)
 {
     int rc;
@@ -234,6 +262,7 @@ int main(void)
     RUN(test_scatter);
     RUN(test_validation);
     RUN(test_discard_jobs);
+    RUN(test_coalesced_partial_reads);
     ss_pool_free(pool);
     unlink(path);
     rmdir(dir);
