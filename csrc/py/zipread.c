@@ -26,7 +26,7 @@ static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
     PyObject *shape = NULL, *stride = NULL, *out = NULL;
     ss_errinfo err;
     Py_buffer view;
-    int rc;
+    int rc, dense;
 
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -45,16 +45,27 @@ static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
         ss_py_raise(st, rc, &err);
         goto out;
     }
+    /* dense: the storage is exactly the tensor, row-major from 0 */
+    {
+        int64_t want = 1;
+        dense = !t->conj && !t->neg && t->storage_offset == 0;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            dense &= t->stride[d] == want;
+            want *= t->shape[d];
+        }
+        dense &= want == t->storage_numel;
+    }
     shape = int_tuple(t->shape, t->ndim);
     stride = int_tuple(t->stride, t->ndim);
     if (shape != NULL && stride != NULL)
         out = Py_BuildValue(
-            "(sOOLLOKKkOO)", t->dtype, shape, stride,
+            "(sOOLLOKKkOOO)", t->dtype, shape, stride,
             (long long)t->storage_offset, (long long)t->storage_numel,
             t->requires_grad ? Py_True : Py_False,
             (unsigned long long)t->data_offset,
             (unsigned long long)t->data_length, (unsigned long)t->data_crc32,
-            t->conj ? Py_True : Py_False, t->neg ? Py_True : Py_False);
+            t->conj ? Py_True : Py_False, t->neg ? Py_True : Py_False,
+            dense ? Py_True : Py_False);
 out:
     Py_XDECREF(shape);
     Py_XDECREF(stride);
@@ -68,7 +79,8 @@ static PyMethodDef zipread_methods[] = {
      "parse_tensor_record(record, /)\n--\n\n"
      "The torch.save tensor record held whole in the buffer, recognised in "
      "C: (dtype, shape, stride, storage_offset, storage_numel, "
-     "requires_grad, data_offset, data_length, data_crc32, conj, neg), "
+     "requires_grad, data_offset, data_length, data_crc32, conj, neg, "
+     "dense: the storage is exactly the tensor, row-major from 0), "
      "offsets inside the buffer; None when refused (the C parser accepts a "
      "subset of what _zipfmt.parse_record accepts, with the same results)."},
     {NULL, NULL, 0, NULL},
