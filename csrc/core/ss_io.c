@@ -134,11 +134,20 @@ typedef struct {
     size_t dsize;         /* device piece size; 0 when there is no stage */
     ss_stage_item *items; /* device writes, in piece order */
     size_t nitems;
+    /* Reads: piece-sized buffers for discard jobs, kept for reuse under mu
+     * (as many as discard pieces ever ran at once: bounded by the tasks). */
+    void **spare;
+    size_t nspare, capspare, psize;
     atomic_int failed;
     pthread_mutex_t mu;
     ss_errinfo first;
 } batch;
 
+/* A read job whose bytes are only checksummed (into scratch). */
+static int job_discard(const batch *b, size_t j)
+{
+    return b->r != NULL && b->r[j].discard;
+}
 static int job_dev(const batch *b, size_t j)
 {
     return b->w != NULL ? b->w[j].dev : b->r[j].dev;
@@ -156,10 +165,11 @@ static int64_t job_offset(const batch *b, size_t j)
     return b->w != NULL ? b->w[j].offset : b->r[j].offset;
 }
 
-/* Whether job j's CRC is computed. */
+/* Whether job j's CRC is computed (a discard job's always is). */
 static int wants_crc(const batch *b, size_t j)
 {
-    return b->checksum || (b->r != NULL && b->verify && b->r[j].has_crc);
+    return b->checksum || job_discard(b, j) ||
+           (b->r != NULL && b->verify && b->r[j].has_crc);
 }
 
 /* Keep the first failure (any thread). job < 0 when none is involved. */
@@ -182,35 +192,87 @@ static int has_failed(batch *b)
     return atomic_load_explicit(&b->failed, memory_order_relaxed);
 }
 
+/* A piece-sized buffer for discard bytes: one of the batch's spares (taken
+ * from, then given back to, its list under mu), or a new one; NULL when out
+ * of memory. */
+static void *take_spare(batch *b)
+{
+    void *p = NULL;
+    pthread_mutex_lock(&b->mu);
+    if (b->nspare > 0)
+        p = b->spare[--b->nspare];
+    pthread_mutex_unlock(&b->mu);
+    return p != NULL ? p : malloc(b->psize);
+}
+
+static void give_spare(batch *b, void *p)
+{
+    pthread_mutex_lock(&b->mu);
+    if (p != NULL && b->nspare < b->capspare) {
+        b->spare[b->nspare++] = p;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&b->mu);
+    free(p);
+}
+
+/* Where piece k of a run reads to: its job's buffer, or for a discard
+ * job the next free bytes of the run's spare (*used advances). */
+static char *run_dst(const batch *b, const piece *pc, char *spare, size_t *used)
+{
+    char *p;
+    if (!job_discard(b, pc->job))
+        return (char *)b->r[pc->job].dst;
+    p = spare + *used;
+    *used += (size_t)pc->len;
+    return p;
+}
+
 /* Pieces i .. i + run - 1 (whole small jobs of one file, ascending, small
- * gaps) with one preadv, then each one's CRC. */
+ * gaps) with one preadv, then each one's CRC. A run spans at most a piece,
+ * so its discard jobs' bytes fit one spare buffer. */
 static void read_run(batch *b, size_t i, uint32_t file, int64_t off)
 {
     struct iovec iov[SS_OS_MAX_IOV];
     /* Where the gap bytes go (never read back): the task's own, since pool
      * threads run runs at once and the kernel writes every gap it reads. */
     char discard[SS_IO_COALESCE_GAP];
+    char *spare = NULL;
+    size_t used = 0;
     int cnt = 0;
     int64_t at = -1, end = off;
 
+    for (size_t k = i; k < i + b->pieces[i].run; k++) {
+        if (job_discard(b, b->pieces[k].job) && spare == NULL &&
+            (spare = take_spare(b)) == NULL) {
+            record(b, SS_ENOMEM, "malloc", b->paths[file], off,
+                   (int64_t)b->pieces[k].job);
+            return;
+        }
+    }
     for (size_t k = i; k < i + b->pieces[i].run; k++) {
         const piece *pc = &b->pieces[k];
         int64_t start = job_offset(b, pc->job);
         if (start > end)
             iov[cnt++] = (struct iovec){discard, (size_t)(start - end)};
-        iov[cnt++] = (struct iovec){b->r[pc->job].dst, (size_t)pc->len};
+        iov[cnt++] =
+            (struct iovec){run_dst(b, pc, spare, &used), (size_t)pc->len};
         end = start + (int64_t)pc->len;
     }
     int rc = readv_all(b->os, b->fds[file], iov, cnt, off, &at);
     if (rc < 0) {
         record(b, rc, "preadv", b->paths[file], at, (int64_t)b->pieces[i].job);
+        give_spare(b, spare);
         return;
     }
+    used = 0;
     for (size_t k = i; k < i + b->pieces[i].run; k++) {
         const piece *pc = &b->pieces[k];
+        const char *p = run_dst(b, pc, spare, &used);
         if (wants_crc(b, pc->job))
-            b->piece_crc[k] = ss_crc32(0, b->r[pc->job].dst, pc->len);
+            b->piece_crc[k] = ss_crc32(0, p, pc->len);
     }
+    give_spare(b, spare);
 }
 
 /* Whether piece k can join a run that ends (its data) at end in file. */
@@ -319,6 +381,26 @@ static void dev_read(batch *b, size_t i, uint32_t file, int64_t off)
         record(b, rc, "device copy", b->paths[file], off, (int64_t)pc->job);
 }
 
+/* A discard piece: read into a spare buffer, checksum it. */
+static void discard_read(batch *b, size_t i, uint32_t file, int64_t off)
+{
+    const piece *pc = &b->pieces[i];
+    void *p = take_spare(b);
+    int64_t at = -1;
+    int rc;
+
+    if (p == NULL) {
+        record(b, SS_ENOMEM, "malloc", b->paths[file], off, (int64_t)pc->job);
+        return;
+    }
+    rc = ss_io_read_all(b->os, b->fds[file], p, pc->len, off, &at);
+    if (rc < 0)
+        record(b, rc, "pread", b->paths[file], at, (int64_t)pc->job);
+    else
+        b->piece_crc[i] = ss_crc32(0, p, pc->len);
+    give_spare(b, p);
+}
+
 static void piece_task(void *ctx, size_t i)
 {
     batch *b = ctx;
@@ -333,6 +415,8 @@ static void piece_task(void *ctx, size_t i)
         dev_write(b, i, file, off);
     } else if (b->r != NULL && b->r[pc->job].dev) {
         dev_read(b, i, file, off);
+    } else if (pc->run == 1 && job_discard(b, pc->job)) {
+        discard_read(b, i, file, off);
     } else if (b->w != NULL) {
         const char *p = (const char *)b->w[pc->job].src + pc->start;
         if (b->checksum) /* just before the write: the bytes stay in cache */
@@ -372,8 +456,15 @@ static int validate(batch *b, size_t npaths, size_t njobs)
         uint64_t len = job_len(b, j);
         int64_t off = job_offset(b, j);
         const void *buf = b->w != NULL ? b->w[j].src : b->r[j].dst;
+        if (job_discard(b, j) && (buf != NULL || job_dev(b, j))) {
+            record(b, SS_EINVAL, "validate", NULL, off, (int64_t)j);
+            snprintf(b->first.detail, sizeof b->first.detail,
+                     "a discard job has no buffer and is not a device job");
+            return SS_EINVAL;
+        }
         if (job_file(b, j) >= npaths || off < 0 ||
-            len > (uint64_t)(INT64_MAX - off) || (len > 0 && buf == NULL)) {
+            len > (uint64_t)(INT64_MAX - off) ||
+            (len > 0 && buf == NULL && !job_discard(b, j))) {
             record(b, SS_EINVAL, "validate", NULL, off, (int64_t)j);
             snprintf(b->first.detail, sizeof b->first.detail,
                      "job needs a file index below %zu, offset >= 0, "
@@ -530,6 +621,15 @@ static int run_batch(const ss_os *os, ss_pool *pool, const char *const *paths,
     b.writeback = opts->writeback;
     b.patch = opts->patch;
     b.verify = opts->verify;
+    b.psize = psize;
+    if (r != NULL) {
+        b.capspare = (size_t)ss_pool_threads(pool) + 1;
+        b.spare = malloc(b.capspare * sizeof *b.spare);
+        if (b.spare == NULL) {
+            record(&b, SS_ENOMEM, "malloc", NULL, -1, -1);
+            goto out;
+        }
+    }
 
     b.fds = malloc((npaths ? npaths : 1) * sizeof *b.fds);
     if (b.fds == NULL) {
@@ -607,6 +707,9 @@ out:
     free(b.pieces);
     free(b.piece_crc);
     free(b.items);
+    for (size_t k = 0; k < b.nspare; k++)
+        free(b.spare[k]);
+    free(b.spare);
     free(first);
     return rc;
 }

@@ -94,6 +94,10 @@ typedef struct ss_io_rjob {
     uint32_t crc; /* expected CRC-32, used when has_crc and opts->verify */
     int has_crc;
     int dev; /* dst is device memory (needs opts->stage) */
+    /* Read for the CRC only: dst is NULL and the bytes land in engine
+     * scratch (one piece-sized buffer per running task, reused; see
+     * ss_io_read_recs). Coalesced like any job; not with dev. */
+    int discard;
 } ss_io_rjob;
 
 /* Write every job; crcs (njobs entries, may be NULL) receives each job's

@@ -11,6 +11,7 @@
  */
 #include "module.h"
 #include "ss_io.h"
+#include "ss_recread.h"
 #include "ss_recwrite.h"
 
 #include <string.h>
@@ -459,6 +460,169 @@ out:
     return result;
 }
 
+/* ---- read_records ------------------------------------------------------- */
+
+/* Columns of read_records' table (python/shardstate/io.py REC_COLUMNS). */
+enum {
+    RC_FILE,
+    RC_KIND,
+    RC_OFFSET,
+    RC_LEN,
+    RC_CRC,
+    RC_WHOLE,
+    RC_ADDR,
+    RC_DST_LEN,
+    RC_START,
+    RC_COUNT,
+    RC_NDIM,
+    RC_ELSIZE,
+    RC_SRC_OFF,
+    RC_GEOM,
+    RC_NCOLS
+};
+
+/* A C-contiguous int64 (or uint32 out) buffer of ndim dims. */
+static int int_view(PyObject *obj, const char *what, int ndim, int writable,
+                    Py_buffer *v)
+{
+    const char *f;
+    int want = writable ? 4 : 8;
+    if (PyObject_GetBuffer(obj, v,
+                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                               (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    f = v->format != NULL ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (v->ndim != ndim || v->itemsize != want ||
+        (writable ? strcmp(f, "I") != 0
+                  : strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous %d-d %s array",
+                     what, ndim, writable ? "uint32" : "int64");
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+/* Table row i -> *r (pointers into geom); ValueError naming the entry. */
+static int rec_of(const int64_t *row, Py_ssize_t i, const int64_t *geom,
+                  Py_ssize_t ngeom, ss_io_rec *r)
+{
+    const char *what = NULL;
+    int64_t nd = row[RC_NDIM], g = row[RC_GEOM];
+
+    if (row[RC_FILE] < 0 || row[RC_FILE] > UINT32_MAX)
+        what = "file index out of range";
+    else if (row[RC_KIND] != SS_IO_REC_RANGE &&
+             row[RC_KIND] != SS_IO_REC_SCATTER)
+        what = "kind must be 0 (range) or 1 (scatter)";
+    else if (row[RC_LEN] < 0 || row[RC_DST_LEN] < 0 || row[RC_START] < 0 ||
+             row[RC_COUNT] < 0 || row[RC_ELSIZE] < 0)
+        what = "a length, start or count is negative";
+    else if (row[RC_CRC] < 0 || row[RC_CRC] > UINT32_MAX)
+        what = "crc must be in [0, 2**32)";
+    else if (row[RC_KIND] == SS_IO_REC_SCATTER &&
+             (nd < 0 || nd > SS_IO_REC_MAX_NDIM || g < 0 || g > ngeom ||
+              3 * nd > ngeom - g))
+        what = "ndim outside 0..64 or its geometry outside the geom array";
+    if (what != NULL) {
+        PyErr_Format(PyExc_ValueError, "read_records: table row %zd: %s", i,
+                     what);
+        return -1;
+    }
+    *r = (ss_io_rec){(uint32_t)row[RC_FILE],
+                     (int)row[RC_KIND],
+                     row[RC_OFFSET],
+                     (uint64_t)row[RC_LEN],
+                     (uint32_t)row[RC_CRC],
+                     row[RC_WHOLE] != 0,
+                     0,
+                     (void *)(uintptr_t)row[RC_ADDR],
+                     (uint64_t)row[RC_DST_LEN],
+                     (uint64_t)row[RC_START],
+                     (uint64_t)row[RC_COUNT],
+                     0,
+                     (uint64_t)row[RC_ELSIZE],
+                     row[RC_SRC_OFF],
+                     NULL,
+                     NULL,
+                     NULL};
+    if (r->kind == SS_IO_REC_SCATTER) {
+        r->ndim = (int)nd;
+        r->sizes = geom + g;
+        r->src_strides = geom + g + nd;
+        r->dst_strides = geom + g + 2 * nd;
+    }
+    return 0;
+}
+
+static PyObject *py_read_records(PyObject *m, PyObject *const *args,
+                                 Py_ssize_t nargs)
+{
+    ss_state *st = ss_get_state(m);
+    batch_args a = {0};
+    ss_io_opts o = SS_IO_OPTS_INIT;
+    Py_buffer tv = {0}, gv = {0}, cv = {0};
+    ss_io_rec *recs = NULL;
+    const ss_os *os = NULL;
+    ss_pool *pool = NULL;
+    unsigned long long scratch;
+    Py_ssize_t n = 0;
+    ss_errinfo info;
+    int rc;
+
+    if (check_nargs("read_records", nargs, 9) < 0 ||
+        get_paths(args[0], &a) < 0 ||
+        int_view(args[1], "table", 2, 0, &tv) < 0 ||
+        int_view(args[2], "geom", 1, 0, &gv) < 0 ||
+        int_view(args[3], "crcs", 1, 1, &cv) < 0 ||
+        ss_py_pool_arg(st, args[4], &pool) < 0 ||
+        (o.verify = PyObject_IsTrue(args[5])) < 0 ||
+        (o.checksum = PyObject_IsTrue(args[6])) < 0 ||
+        ss_py_faults_arg(st, args[7], &os) < 0)
+        goto out;
+    scratch = PyLong_AsUnsignedLongLong(args[8]);
+    if (scratch == (unsigned long long)-1 && PyErr_Occurred())
+        goto out;
+    n = tv.shape[0];
+    if (tv.shape[1] != RC_NCOLS || cv.shape[0] != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "read_records: table must be n x %d and crcs n long "
+                     "(got %zd x %zd and %zd)",
+                     RC_NCOLS, tv.shape[0], tv.shape[1], cv.shape[0]);
+        goto out;
+    }
+    recs = PyMem_Malloc(((size_t)n + 1) * sizeof *recs);
+    if (recs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rec_of((const int64_t *)tv.buf + i * RC_NCOLS, i,
+                   (const int64_t *)gv.buf, gv.shape[0], &recs[i]) < 0)
+            goto out;
+    Py_BEGIN_ALLOW_THREADS
+        rc = ss_io_read_recs(os, pool, a.paths, (size_t)a.npaths, recs,
+                             (size_t)n, &o, (uint64_t)scratch,
+                             (uint32_t *)cv.buf, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        ss_py_raise(st, rc, &info);
+out:
+    PyMem_Free(recs);
+    if (tv.obj != NULL)
+        PyBuffer_Release(&tv);
+    if (gv.obj != NULL)
+        PyBuffer_Release(&gv);
+    if (cv.obj != NULL)
+        PyBuffer_Release(&cv);
+    args_release(&a);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* write_records: the table's columns. */
 enum { T_FILE, T_OFFSET, T_BUFFER, T_PLAN, T_DEVICE, T_COLS };
 
@@ -702,6 +866,17 @@ static PyMethodDef io_methods[] = {
      "row's data CRC-32 (a plain row's only with checksum). A device row's "
      "buffer is staged through stage, as in write_batch. piece, pack_run: "
      "bytes per task and per packed run, 0 = default."},
+    {"read_records", (PyCFunction)(void (*)(void))py_read_records,
+     METH_FASTCALL,
+     "read_records(paths, table, geom, crcs, pool, verify, checksum, faults, "
+     "scratch)\n--\n\n"
+     "A load's record reads as one engine call (ss_io_read_recs), with the "
+     "GIL released: table is an n x 14 int64 array (columns: file, kind, "
+     "offset, len, crc, whole, addr, dst_len, start, count, ndim, elsize, "
+     "src_off, geom), geom an int64 array of each scatter row's sizes, src "
+     "and dst byte strides; crcs (uint32, n) receives each row's CRC-32. The "
+     "addresses must stay valid for the call (the caller holds the "
+     "objects). scratch: bytes of scatter scratch a round may hold."},
     {"_raw_pwrite", (PyCFunction)(void (*)(void))py_raw_pwrite, METH_FASTCALL,
      "_raw_pwrite(path, buffer, piece)\n--\n\n"
      "Benchmark baseline: one thread, plain pwrite loop, no checksum."},

@@ -234,6 +234,22 @@ def read_batch(
     device: Sequence[bool] | None,
     /,
 ) -> list[int]: ...
+def parse_tensor_record(
+    record: Buffer, /
+) -> (tuple[str, tuple[int, ...], tuple[int, ...], int, int, bool, int, int, int, bool, bool,
+             bool] | None): ...
+def read_records(
+    paths: Sequence[PathArg],
+    table: Buffer,
+    geom: Buffer,
+    crcs: Buffer,
+    pool: ThreadPool | None,
+    verify: bool,
+    checksum: bool,
+    faults: FaultInjector | None,
+    scratch: int,
+    /,
+) -> None: ...
 def publish(path: PathArg, data: Buffer, fsync: bool, faults: FaultInjector | None, /) -> None: ...
 
 class MappedFile:

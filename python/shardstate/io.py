@@ -37,8 +37,8 @@ PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 __all__ = [
     "FaultInjector", "MappedFile", "ReadJob", "Stage", "WriteJob", "atomic_publish", "file_size",
-    "fsync_dir", "inject_faults", "makedirs", "map_file", "read", "read_file", "unlink", "write",
-    "write_records",
+    "fsync_dir", "inject_faults", "makedirs", "map_file", "read", "read_file", "read_records",
+    "unlink", "write", "write_records",
 ]
 
 
@@ -290,6 +290,50 @@ def read(
         stage,
         _device_flags(jobs),
     )
+
+
+# read_records' table: one row per item, these columns (int64).
+REC_COLUMNS = ("file", "kind", "offset", "len", "crc", "whole", "addr", "dst_len", "start",
+               "count", "ndim", "elsize", "src_off", "geom")
+REC_RANGE, REC_SCATTER = 0, 1
+
+
+def read_records(
+    paths: Sequence[PathLike],
+    table: Any,
+    geom: Any,
+    *,
+    pool: ThreadPool | None = None,
+    threads: int | None = None,
+    verify: bool = True,
+    checksum: bool = True,
+    scratch: int = 256 << 20,
+    _faults: FaultInjector | None = None,
+) -> Any:
+    """A load's record reads as one engine call (GIL released): ``table``
+    is an int64 array with one row of ``REC_COLUMNS`` per item: the
+    record's data (``file`` index into ``paths``, ``offset``, ``len``, its
+    ``crc``) and, by ``kind``, either REC_RANGE (read bytes [start, start +
+    count) of the data to ``addr``; with ``whole`` and ``verify`` the rest
+    is read into engine scratch and the whole data's CRC checked) or
+    REC_SCATTER (read the data into scratch, checked, then copy the region
+    of ``ndim`` dims from byte ``src_off`` of it to ``addr``: sizes, source
+    and destination byte strides at ``geom[g : g + 3 * ndim]``, ``g`` the
+    row's ``geom``; ``elsize`` bytes an element). ``addr`` is a host
+    address the caller keeps valid for the call, with ``dst_len`` bytes
+    there; every region is checked against it and against the record
+    before anything is read. Returns each row's CRC-32 (uint32 array) of
+    the bytes it read into its destination (0s unless ``verify`` or
+    ``checksum``). A mismatch raises ChecksumError with ``job`` = the row."""
+    import numpy as np
+
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    geom = np.ascontiguousarray(geom, dtype=np.int64)
+    crcs = np.zeros(len(table), np.uint32)
+    _core.read_records([os.fspath(p) for p in paths], table, geom, crcs,
+                       _pool_for(pool, threads), bool(verify), bool(checksum),
+                       _faults_of(_faults), int(scratch))
+    return crcs
 
 
 def _device_flags(jobs: Sequence[WriteJob] | Sequence[ReadJob]) -> list[bool] | None:

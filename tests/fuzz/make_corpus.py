@@ -9,6 +9,8 @@ corpus/fuzz_pickle/  pickles for the C scan (tests/fuzz/fuzz_pickle.c) and the
     of torch.save tensor records, DCP bytes items' pickles, plain objects in
     every protocol, and small hand-made edge cases (each refused opcode, a
     forged memo index, FRAME/BYTEARRAY8 lengths, nesting at the bound).
+corpus/fuzz_zipread/ the tensor records below (``*.rec``) and the same kinds
+    written with every CRC 0, for the C record parser (tests/fuzz/fuzz_zipread.c).
 corpus/records/      whole records as DCP stores them, for the Python
     parsers (tests/test_fuzz_parsers.py): torch.save tensor records
     (``*.rec``: contiguous, strided, conj/neg views, v3 dtypes, empty), bytes
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint._extension import ZStandard
 HERE = Path(__file__).resolve().parent
 PICKLES = HERE / "corpus" / "fuzz_pickle"
 RECORDS = HERE / "corpus" / "records"
+ZIPREAD = HERE / "corpus" / "fuzz_zipread"
 
 
 def _state_dict(seed: int) -> dict[str, Any]:
@@ -164,8 +167,30 @@ def _plain_pickles() -> dict[str, bytes]:
     return out
 
 
+def _nocrc_records() -> dict[str, bytes]:
+    """torch.save records written with every CRC 0 (torch's
+    set_crc32_options(False)), for fuzz_zipread: a changed byte of their
+    data.pkl is not refused by a CRC first."""
+    tensors = {
+        "f32_strided": torch.arange(12.0).reshape(3, 4).t(),
+        "c64_conj": torch.ones(2, 3, dtype=torch.complex64).conj(),
+        "u16_v3": torch.arange(6).to(torch.uint16)[1:],
+        "neg": torch._neg_view(torch.ones(4)),
+    }
+    out = {}
+    torch.serialization.set_crc32_options(False)
+    try:
+        for name, t in tensors.items():
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            out[name] = buf.getvalue()
+    finally:
+        torch.serialization.set_crc32_options(True)
+    return out
+
+
 def main() -> None:
-    for d in (PICKLES, RECORDS):
+    for d in (PICKLES, RECORDS, ZIPREAD):
         if d.exists():
             shutil.rmtree(d)
     warnings.simplefilter("ignore")
@@ -202,6 +227,10 @@ def main() -> None:
         _put(PICKLES, name, blob)
     for name, blob in sorted(rec.items()):
         _put(RECORDS, name, blob)
+        if name.endswith(".rec"):
+            _put(ZIPREAD, name, blob)
+    for name, blob in _nocrc_records().items():  # data.pkl's bytes reach the walker
+        _put(ZIPREAD, f"nocrc_{name}.rec", blob)
     total = sum(len(b) for b in pk.values()) + sum(len(b) for b in rec.values())
     digest = hashlib.sha1(b"".join(pk.values()) + b"".join(rec.values())).hexdigest()[:12]
     print(f"{len(pk)} pickles, {len(rec)} records, {total} bytes (sha1 {digest})",

@@ -1,23 +1,23 @@
 """Reading located records into a load's destinations (``_Reads``).
 
-Tensor bytes are read by one ``shardstate.io.read`` batch straight into the
-destination whenever the requested region is one contiguous range of a
-dense record and the destination is a contiguous CPU tensor (or, through
-the staging pipeline, CUDA tensor) of the same dtype; otherwise the record's
-storage is read into bounded scratch batches and copied. CRC-32s are checked
-by the engine as it reads; for a region that is only part of a record, the
-rest is read in bounded pieces for its CRC only and the CRCs are combined,
-so every record read is checked whole (``verify_checksums=False`` skips all
-of it), unless the ranks verify that record together (its key is in
-``shared``): then the part read is recorded as a piece for
-``_fs_verify.verify_pieces``. Bytes items are checked (CRC-32s, allowed
-globals) before ``planner.load_bytes`` sees them. Items stored through
-stream transforms are read whole, taken back through them with a bound on
-their size, and then checked and copied out the same way (``_transformed``,
-``_fs_transform``).
-
-Known limit: adjacent small reads are not coalesced (the engine runs them
-in parallel).
+Every host tensor read of a plan is one engine call
+(``shardstate.io.read_records``, one table row per item, the GIL released
+around the whole call): a region that is one contiguous range of a record's
+data and of a same-dtype contiguous destination is read straight into it
+(the rest of a partly read record is read by the engine for its CRC only
+and the CRCs combined, so every record read is checked whole); any other
+region of a same-dtype host destination is read into engine scratch
+(checked) and scattered out by the engine. ``verify_checksums=False`` skips
+the checks; a record the ranks verify together (its key is in ``shared``)
+is not checked whole: the part read is recorded as a piece for
+``_fs_verify.verify_pieces``. The rest keeps the Python path: CUDA
+destinations through the staging pipeline (``io.read`` batches, ``_direct``)
+and other dtypes, conj/neg views or negative-stride destinations through
+bounded scratch batches and ``_copy_out`` (``_staged``). Bytes items are
+checked (CRC-32s, allowed globals) before ``planner.load_bytes`` sees them.
+Items stored through stream transforms are read whole, taken back through
+them with a bound on their size, and then checked and copied out the same
+way (``_transformed``, ``_fs_transform``).
 
 Thread safety: a ``_Reads`` serves one ``read_data`` call.
 """
@@ -235,6 +235,31 @@ def _slab(
     return start, count * itemsize
 
 
+def _scatterable(rec: _Rec, dest: Any) -> bool:
+    """Whether the engine can copy a region of ``rec`` into ``dest`` (a
+    host destination of the record's dtype, strides >= 0, no conj/neg
+    view); the others go through ``_copy_out``."""
+    if rec.conj or rec.neg or len(rec.shape) > 64:
+        return False
+    if isinstance(dest, np.ndarray):
+        return (dest.dtype.byteorder in "=|" and all(s >= 0 for s in dest.strides)
+                and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}")
+    return dest.device.type == "cpu" and str(dest.dtype) == f"torch.{rec.dtype}"
+
+
+def _host_layout(dest: Any) -> tuple[int, int, int, list[int]]:
+    """(element size, address, bytes from it the destination may reach,
+    byte strides) of a host destination ``_scatterable`` accepted."""
+    if isinstance(dest, np.ndarray):
+        isz = dest.itemsize
+        strides = list(dest.strides)
+        reach = isz + sum((n - 1) * s for n, s in zip(dest.shape, strides)) if dest.size else 0
+        return isz, dest.ctypes.data, reach, strides
+    isz = dest.element_size()
+    reach = dest.untyped_storage().nbytes() - dest.storage_offset() * isz
+    return isz, dest.data_ptr(), reach, [s * isz for s in dest.stride()]
+
+
 class _CudaDest:
     """Which CUDA destinations a load reads into through the staging
     pipeline (pinned buffers, then host-to-device copies straight into
@@ -342,16 +367,21 @@ class _Reads:
     def _tensors(self, reqs: list[_Req], planner: Any) -> None:
         infos = self.records.parse(reqs)
         # (req, record, destination, (byte offset, byte count) in the record's
-        # data) for regions read straight into their destination.
+        # data) for regions read straight into their destination: host ones
+        # through the engine's record reads, device ones through the stage.
         direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
+        device: list[tuple[_Req, _Rec, Any, tuple[int, int]]] = []
+        # read into engine scratch and scattered out by the engine
+        scatter: list[tuple[_Req, _Rec, Any, tuple[tuple[int, ...], tuple[int, ...]]]] = []
         staged: list[tuple[_Req, _Rec, Any]] = []
         for r, rec in zip(reqs, infos):
             offs, lengths = region = _region(r)
             dest = _destination(r, rec, planner, region)
             span = None
             if isinstance(dest, np.ndarray):
-                if (dest.flags.c_contiguous and dest.dtype.byteorder in "=|"
-                        and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}"):
+                same = (dest.dtype.byteorder in "=|"
+                        and numpy_dtype_name(dest.dtype) == f"torch.{rec.dtype}")
+                if same and dest.flags.c_contiguous:
                     span = _slab(rec, offs, lengths, dest.itemsize)
             elif (
                 str(dest.dtype) == f"torch.{rec.dtype}"
@@ -359,14 +389,79 @@ class _Reads:
                 and (dest.device.type == "cpu" or self.cuda.direct(dest))
             ):
                 span = _slab(rec, offs, lengths, dest.element_size())
-            if span is None:
-                staged.append((r, rec, dest))
+            if span is not None:
+                (device if getattr(dest, "is_cuda", False) else direct).append(
+                    (r, rec, dest, span))
+            elif _scatterable(rec, dest):
+                scatter.append((r, rec, dest, region))
             else:
-                direct.append((r, rec, dest, span))
-        self._direct(direct)
-        for r, _rec, dest, _span in direct:
+                staged.append((r, rec, dest))
+        self._records_read(direct, scatter)
+        for r, _rec, dest, _x in direct + scatter:
+            planner.commit_tensor(r.item, dest)
+        self._direct(device)
+        for r, _rec, dest, _span in device:
             planner.commit_tensor(r.item, dest)
         self._staged(staged, planner)
+
+    def _records_read(self, direct: list[tuple[_Req, _Rec, Any, tuple[int, int]]],
+                      scatter: list[tuple[_Req, _Rec, Any, Any]]) -> None:
+        """Host reads, one engine call (``shardstate.io.read_records``): a
+        region that is one range of a record's data straight into its
+        destination (the whole record's CRC checked: the rest read into
+        engine scratch, unless the ranks verify the record together), any
+        other of a same-dtype host destination into engine scratch
+        (checked) and scattered out by the engine."""
+        direct = [x for x in direct if x[3][1]]
+        if not direct and not scatter:
+            return
+        verify = self.verify
+        files: dict[str, int] = {}
+        rows: list[tuple[int, ...]] = []
+        geom: list[int] = []
+        read = 0
+        for r, rec, dest, (start, count) in direct:
+            f = files.setdefault(r.file.path, len(files))
+            full = count == rec.data_length
+            whole = verify and (full or not self._is_shared(r))
+            if isinstance(dest, np.ndarray):
+                addr = dest.ctypes.data
+            else:
+                addr = dest.data_ptr()
+            rows.append((f, ssio.REC_RANGE, rec.data_offset, rec.data_length, rec.data_crc32,
+                         whole, addr, dest.nbytes, start, count, 0, 0, 0, 0))
+            read += rec.data_length if whole else count
+        for r, rec, dest, (offs, lengths) in scatter:
+            f = files.setdefault(r.file.path, len(files))
+            isz, addr, dst_len, dst_strides = _host_layout(dest)
+            src_strides = [st * isz for st in rec.stride]
+            src_off = (rec.storage_offset + sum(o * st for o, st in zip(offs, rec.stride))) * isz
+            rows.append((f, ssio.REC_SCATTER, rec.data_offset, rec.data_length, rec.data_crc32,
+                         0, addr, dst_len, 0, 0, len(lengths), isz, src_off, len(geom)))
+            geom += lengths
+            geom += src_strides
+            geom += dst_strides
+            read += rec.data_length
+        items = [(r, rec) for r, rec, _d, _x in direct] + [(r, rec) for r, rec, _d, _x in scatter]
+        self.stats["storage_bytes"] += read
+        try:
+            crcs = ssio.read_records(list(files), np.array(rows, np.int64).reshape(-1, 14),
+                                     np.array(geom, np.int64), verify=verify, checksum=False,
+                                     scratch=_SCRATCH_BUDGET)
+        except ChecksumError as e:
+            k = getattr(e, "job", None)
+            if not isinstance(k, int) or not 0 <= k < len(items):
+                raise
+            raise ChecksumError(_crc_message(*items[k])) from e
+        if not verify or not self.shared:
+            return
+        for i, (r, rec, _d, (start, count)) in enumerate(direct):
+            if self._is_shared(r):
+                full = count == rec.data_length
+                self._add_piece(r, rec, start, count, rec.data_crc32 if full else int(crcs[i]))
+        for r, rec, _d, _x in scatter:
+            if rec.data_length and self._is_shared(r):
+                self._add_piece(r, rec, 0, rec.data_length, rec.data_crc32)
 
     def _direct(self, items: list[tuple[_Req, _Rec, Any, tuple[int, int]]]) -> None:
         """One batch reads every region straight into its destination. A

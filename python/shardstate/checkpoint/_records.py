@@ -5,9 +5,11 @@ one out from a cached plan (``_record_plan``: its header depends only on
 dtype and shape; ``_Trailer`` patches the CRC into the trailer). The reader
 finds an item through ``storage_data`` (``_Records.requests``: paths confined
 to the checkpoint directory, every offset and length checked against the
-file) and then recognises its record (``_Records.parse``): a dense record is
-compared with the one we would write for the chunk the metadata describes;
-any other is parsed strictly (``_zipfmt.parse_record``). Both work through a
+file) and then recognises its record (``_Records.parse``): in C (``ss_zipread``,
+through ``_core.parse_tensor_record``); a record it refuses is compared
+with the dense record we would write for the chunk the metadata describes,
+and any other is parsed strictly by the reference
+(``_zipfmt.parse_record``), which decides. Both work through a
 read-only mapping of the file that touches only the header and trailer pages,
 or (``parse_buffer``) on a record held in memory, which is how an item stored
 through stream transforms (its ``transform_descriptors``) is seen once they
@@ -266,9 +268,26 @@ class _Req:
         return f"item {self.key!r} in {self.file.path} at offset {self.info.offset}"
 
 
+def _c_record(mm: Any, off: int, length: int) -> _Rec | None:
+    """The record at ``mm[off : off + length]`` recognised by the C parser
+    (``ss_zipread``: microseconds, touching only the zip structures and the
+    small entries), or None when it refuses it (the caller then asks
+    ``expected`` and the reference ``_parsed``, which decide: the C parser
+    accepts a subset of what the reference does, with the same results)."""
+    view = memoryview(mm)[off : off + length]
+    try:
+        c = _core.parse_tensor_record(view)
+    finally:
+        view.release()
+    if c is None:
+        return None
+    dtype, shape, stride, soff, _numel, _rg, doff, dlen, crc, conj, neg, dense = c
+    return _Rec(dtype, shape, stride, soff, doff + off, dlen, crc, conj, neg, dense)
+
+
 def _parsed(mm: Any, r: _Req, off: int | None = None, length: int | None = None) -> _Rec:
     """The record at ``mm[off : off + length]`` (by default where
-    ``r.info`` says), parsed strictly."""
+    ``r.info`` says), parsed strictly by the reference parser."""
     if off is None:
         off, length = r.info.offset, r.info.length
     view = memoryview(mm)[off : off + length]
@@ -456,7 +475,7 @@ class _Records:
         """The tensor record held whole in ``buf`` (what an item's stream
         transforms gave), recognised as ``parse`` does; its data offset is
         an offset in ``buf``."""
-        rec = self.expected(buf, r, 0, len(buf))
+        rec = _c_record(buf, 0, len(buf)) or self.expected(buf, r, 0, len(buf))
         return _check_crc(r, rec if rec is not None else _parsed(buf, r, 0, len(buf)))
 
     def parse(self, reqs: list[_Req]) -> list[_Rec]:
@@ -477,7 +496,7 @@ class _Records:
             mm = memoryview(mapped)
             try:
                 for r in reqs[i:j]:
-                    rec = self.expected(mm, r)
+                    rec = _c_record(mm, r.info.offset, r.info.length) or self.expected(mm, r)
                     if rec is None:
                         rec = _parsed(mm, r)
                     infos.append(_check_crc(r, rec))
