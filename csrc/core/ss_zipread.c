@@ -15,6 +15,7 @@
  */
 #include "ss_zipread.h"
 #include "ss_crc.h"
+#include "ss_zipdtype.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,38 +31,6 @@
 #define MAX_KIDS 8192
 #define MAX_MEMO 256
 #define MAX_STACK (4 * SS_ZIP_MAX_NDIM + 32)
-
-typedef struct {
-    const char *name;
-    size_t itemsize;
-    const char *storage; /* typed storage class, NULL for a v3 dtype */
-} dtype;
-
-static const dtype DTYPES[] = {
-    {"float64", 8, "DoubleStorage"},
-    {"float32", 4, "FloatStorage"},
-    {"float16", 2, "HalfStorage"},
-    {"bfloat16", 2, "BFloat16Storage"},
-    {"int64", 8, "LongStorage"},
-    {"int32", 4, "IntStorage"},
-    {"int16", 2, "ShortStorage"},
-    {"int8", 1, "CharStorage"},
-    {"uint8", 1, "ByteStorage"},
-    {"bool", 1, "BoolStorage"},
-    {"complex64", 8, "ComplexFloatStorage"},
-    {"complex128", 16, "ComplexDoubleStorage"},
-    {"uint16", 2, NULL},
-    {"uint32", 4, NULL},
-    {"uint64", 8, NULL},
-    {"float8_e4m3fn", 1, NULL},
-    {"float8_e5m2", 1, NULL},
-    {"float8_e4m3fnuz", 1, NULL},
-    {"float8_e5m2fnuz", 1, NULL},
-    {"float8_e8m0fnu", 1, NULL},
-    {"float4_e2m1fn_x2", 1, NULL},
-    {"complex32", 4, NULL},
-};
-#define NDTYPES ((int)(sizeof DTYPES / sizeof DTYPES[0]))
 
 static uint16_t rd16(const unsigned char *p)
 {
@@ -337,7 +306,7 @@ enum {
     V_STORAGE,
     V_TENSOR
 };
-/* Global codes; typed storages and v3 dtypes add their DTYPES index. */
+/* Global codes; typed storages and v3 dtypes add their ss_zip_dtypes index. */
 enum { G_V2, G_V3, G_ODICT, G_UNTYPED, G_STORAGE = 16, G_DTYPE = 64 };
 
 typedef struct {
@@ -464,10 +433,12 @@ static int global(pk *c)
     else if (eq(mod, ml, "torch.storage") && eq(name, nl, "UntypedStorage"))
         code = G_UNTYPED;
     else if (eq(mod, ml, "torch"))
-        for (int d = 0; d < NDTYPES && code < 0; d++) {
-            if (DTYPES[d].storage != NULL && eq(name, nl, DTYPES[d].storage))
+        for (int d = 0; d < ss_zip_ndtypes && code < 0; d++) {
+            if (ss_zip_dtypes[d].storage != NULL &&
+                eq(name, nl, ss_zip_dtypes[d].storage))
                 code = G_STORAGE + d;
-            else if (DTYPES[d].storage == NULL && eq(name, nl, DTYPES[d].name))
+            else if (ss_zip_dtypes[d].storage == NULL &&
+                     eq(name, nl, ss_zip_dtypes[d].name))
                 code = G_DTYPE + d;
         }
     if (code < 0)
@@ -493,7 +464,7 @@ static int persid(pk *c)
         PFAIL("persistent id fields have the wrong types");
     if (f[1]->i == G_UNTYPED)
         dt = -1;
-    else if (f[1]->i >= G_STORAGE && f[1]->i < G_STORAGE + NDTYPES)
+    else if (f[1]->i >= G_STORAGE && f[1]->i < G_STORAGE + ss_zip_ndtypes)
         dt = (int)f[1]->i - G_STORAGE;
     else
         PFAIL("persistent id names no storage type");
@@ -555,7 +526,7 @@ static int reduce(pk *c)
         PFAIL("requires_grad/backward_hooks arguments are malformed");
     if (v3) {
         if (a[0]->a != -1 || a[6]->kind != V_GLOBAL || a[6]->i < G_DTYPE ||
-            a[6]->i >= G_DTYPE + NDTYPES)
+            a[6]->i >= G_DTYPE + ss_zip_ndtypes)
             PFAIL("_rebuild_tensor_v3 needs an UntypedStorage and a dtype");
         dt = (int)a[6]->i - G_DTYPE;
     } else {
@@ -568,13 +539,13 @@ static int reduce(pk *c)
         return rc;
     if (nd != nd2)
         PFAIL("size and stride differ in length");
-    if (conj && strncmp(DTYPES[dt].name, "complex", 7) != 0)
+    if (conj && strncmp(ss_zip_dtypes[dt].name, "complex", 7) != 0)
         PFAIL("a conjugate view of a non-complex tensor");
     if (c->have_tensor)
         PFAIL("more than one tensor");
     c->have_tensor = 1;
-    t->dtype = DTYPES[dt].name;
-    t->itemsize = DTYPES[dt].itemsize;
+    t->dtype = ss_zip_dtypes[dt].name;
+    t->itemsize = ss_zip_dtypes[dt].itemsize;
     t->ndim = nd;
     t->storage_offset = a[1]->i;
     t->requires_grad = (int)a[4]->i;

@@ -11,6 +11,7 @@
  */
 #include "ss_zipwrite.h"
 #include "ss_crc.h"
+#include "ss_zipdtype.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -96,47 +97,15 @@ static void store32(uint8_t *p, uint32_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
-/* ---- dtypes -------------------------------------------------------------- */
+/* ---- dtypes ------------------------------------------------------------- */
 
-typedef struct {
-    const char *name;
-    int itemsize;
-    const char *storage; /* legacy typed storage, or NULL: rebuild_tensor_v3 */
-} dtype;
-
-static const dtype DTYPES[] = {
-    {"float64", 8, "DoubleStorage"},
-    {"float32", 4, "FloatStorage"},
-    {"float16", 2, "HalfStorage"},
-    {"bfloat16", 2, "BFloat16Storage"},
-    {"int64", 8, "LongStorage"},
-    {"int32", 4, "IntStorage"},
-    {"int16", 2, "ShortStorage"},
-    {"int8", 1, "CharStorage"},
-    {"uint8", 1, "ByteStorage"},
-    {"bool", 1, "BoolStorage"},
-    {"complex64", 8, "ComplexFloatStorage"},
-    {"complex128", 16, "ComplexDoubleStorage"},
-    {"uint16", 2, NULL},
-    {"uint32", 4, NULL},
-    {"uint64", 8, NULL},
-    {"float8_e4m3fn", 1, NULL},
-    {"float8_e5m2", 1, NULL},
-    {"float8_e4m3fnuz", 1, NULL},
-    {"float8_e5m2fnuz", 1, NULL},
-    {"float8_e8m0fnu", 1, NULL},
-    {"float4_e2m1fn_x2", 1, NULL},
-    {"complex32", 4, NULL},
-};
+typedef ss_zip_dtype dtype;
 
 static const dtype *find_dtype(const char *name)
 {
     if (strncmp(name, "torch.", 6) == 0)
         name += 6;
-    for (size_t i = 0; i < sizeof DTYPES / sizeof *DTYPES; i++)
-        if (strcmp(DTYPES[i].name, name) == 0)
-            return &DTYPES[i];
-    return NULL;
+    return ss_zip_dtype_find(name);
 }
 
 /* ---- data.pkl: the protocol-2 pickle torch.save writes for a tensor ------ */
