@@ -631,19 +631,14 @@ enum { T_FILE, T_OFFSET, T_BUFFER, T_PLAN, T_DEVICE, T_COLS };
 static int get_table(PyObject *obj, int64_t **rows, Py_ssize_t *n)
 {
     Py_buffer v;
-    const char *f;
     int rc = -1;
 
-    if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (int_view(obj, "table", 2, 0, &v) < 0)
         return -1;
-    f = v.format != NULL ? v.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    if (v.ndim != 2 || v.shape[1] != T_COLS || v.itemsize != 8 ||
-        (strcmp(f, "q") && strcmp(f, "l"))) {
+    if (v.shape[1] != T_COLS) {
         PyErr_Format(PyExc_ValueError,
-                     "table must be a C-contiguous int64 array of shape "
-                     "(n, %d): file, offset, buffer, plan, device",
+                     "table must have shape (n, %d): file, offset, buffer, "
+                     "plan, device",
                      T_COLS);
         goto out;
     }
