@@ -51,7 +51,7 @@ import pytest
 import shardstate.checkpoint as dcp
 import torch
 from _sanitizers import UNDER_ASAN
-from shardstate.checkpoint import _async_process, _records, _staging
+from shardstate.checkpoint import _async_process, _fs_write, _records, _staging
 from shardstate.checkpoint import logger as dcp_logger
 from shardstate.checkpoint.staging import DefaultStager, StagingOptions
 from shardstate.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -530,9 +530,11 @@ def _quiet_sample(soak: _Soak) -> dict[str, int]:
             and time.monotonic() < deadline:
         time.sleep(0.005)
     # The record plans of every (dtype, shape, stride) written or read are
-    # kept in an LRU cache of 4096 (about 3 KiB each): random shapes would
-    # fill it over the whole run, a bounded growth that is not a leak.
+    # kept in LRU caches of 4096 (about 3 KiB each; the save's C plans in
+    # _fs_write, the reader's in _records): random shapes would fill them
+    # over the whole run, a bounded growth that is not a leak.
     _records._record_plan.cache_clear()
+    _fs_write._plan.cache_clear()
     gc.collect(1)  # young objects only: a full collection costs 0.2 s with torch loaded
     if _staging._pool._busy or len(_staging._all_arenas) > _staging._SLOTS:
         # a failure's traceback and the frames it names are cyclic garbage
