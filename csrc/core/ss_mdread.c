@@ -4,11 +4,15 @@
  * as stack positions; allocations grow by doubling and are bounded by the
  * stream (at most one node and a few items per byte). Lists
  * and dicts grow after they are made (APPENDS, SETITEMS may come long
- * after, through the memo), so their items are recorded as segments of a
- * scratch array, chained per container; at the end every container's
- * items are copied into one array in container order (a tuple's too), so
- * the binding sees (offset, count) everywhere. Every argument is checked
- * against the bytes left before it is read. */
+ * after, through the memo), so their items are recorded in a scratch array
+ * (the result's kids): a container filled in one batch (nearly all of
+ * them: a chunk's state dict, a short list) keeps (offset, count) in its
+ * node, with c = ONE_RUN; one filled in several batches gets segments,
+ * chained per container, and at the end its items are copied into one run
+ * at the end of the array, so the binding sees (offset, count) everywhere.
+ * (A segment per container cost 12 bytes a chunk-sized dict: a quarter of
+ * the file's size over a large .metadata's decode.) Every argument is
+ * checked against the bytes left before it is read. */
 #include "ss_mdread.h"
 
 #include <stdlib.h>
@@ -25,6 +29,11 @@
 typedef struct seg {
     uint32_t off, count, next; /* next: segment index + 1, or 0 */
 } seg;
+
+/* A list's or dict's c while decoding: 0 (no items yet), ONE_RUN (a: the
+ * offset of its items in tmp, one batch), or the last segment's index + 1
+ * (a: the first's). Segment indices stay below it (add_items' bound). */
+#define ONE_RUN UINT32_MAX
 
 struct ss_mdread {
     ss_md_result res;
@@ -124,30 +133,45 @@ static int pop_mark(dec *s, size_t *mark)
     return 0;
 }
 
-/* Records items as a new segment of container node ci. */
+/* Appends a segment (off, count) to s->segs (room made by the caller). */
+static uint32_t new_seg(dec *s, uint32_t off, uint32_t count)
+{
+    seg *g = &s->segs[s->nsegs];
+    g->off = off;
+    g->count = count;
+    g->next = 0;
+    return (uint32_t)++s->nsegs;
+}
+
+/* Records items as container node ci's next batch (see ONE_RUN). */
 static int add_items(dec *s, uint32_t ci, const uint32_t *items, size_t n)
 {
     ss_md_node *c;
-    seg *g;
+    uint32_t off = (uint32_t)s->ntmp, g;
     if (n == 0)
         return 0;
-    if (s->ntmp + n >= UINT32_MAX || s->nsegs >= UINT32_MAX - 1)
+    if (s->ntmp + n >= UINT32_MAX || s->nsegs >= UINT32_MAX - 3)
         return refuse(s, SS_ERANGE, s->p, "too many items");
-    if (grow((void **)&s->tmp, &s->tcap, s->ntmp + n, sizeof *s->tmp) < 0 ||
-        grow((void **)&s->segs, &s->scap, s->nsegs + 1, sizeof *s->segs) < 0)
+    if (grow((void **)&s->tmp, &s->tcap, s->ntmp + n, sizeof *s->tmp) < 0)
         return SS_ENOMEM;
     memmove(s->tmp + s->ntmp, items, n * sizeof *items);
-    g = &s->segs[s->nsegs];
-    g->off = (uint32_t)s->ntmp;
-    g->count = (uint32_t)n;
-    g->next = 0;
     s->ntmp += n;
     c = &s->r->nodes[ci];
-    if (c->c)
-        s->segs[c->c - 1].next = (uint32_t)s->nsegs + 1;
-    else
-        c->a = (uint32_t)s->nsegs + 1;
-    c->c = (uint32_t)++s->nsegs;
+    if (c->c == 0) {
+        c->a = off;
+        c->c = ONE_RUN;
+    } else {
+        if (grow((void **)&s->segs, &s->scap, s->nsegs + 2, sizeof *s->segs) <
+            0)
+            return SS_ENOMEM;
+        if (c->c == ONE_RUN) { /* the first batch becomes a segment */
+            uint32_t had = c->kind == SS_MD_DICT ? 2 * c->b : c->b;
+            c->c = c->a = new_seg(s, c->a, had);
+        }
+        g = new_seg(s, off, (uint32_t)n);
+        s->segs[c->c - 1].next = g;
+        c->c = g;
+    }
     if (c->kind == SS_MD_DICT)
         n /= 2;
     if (c->b > UINT32_MAX - n)
@@ -485,15 +509,12 @@ static int flatten(dec *s)
         if (n->kind != SS_MD_LIST && n->kind != SS_MD_DICT)
             continue;
         g = n->a;
+        if (n->c == 0 || n->c == ONE_RUN) {
+            n->a = n->c ? n->a : 0;
+            n->c = 0;
+            continue;
+        }
         n->c = 0;
-        if (g == 0) {
-            n->a = 0;
-            continue;
-        }
-        if (s->segs[g - 1].next == 0) {
-            n->a = s->segs[g - 1].off;
-            continue;
-        }
         for (uint32_t h = g; h; h = s->segs[h - 1].next)
             total += s->segs[h - 1].count;
         if (s->ntmp + total >= UINT32_MAX)

@@ -318,6 +318,49 @@ static void test_many_items(void)
     free(s);
 }
 
+static void test_batches_after_a_run(void)
+{
+    /* ([1, 2, 3, 4], {5: 6, 7: 8, 9: 10}, [11, 12], {13: 14}, []): the first
+     * two filled by APPEND / SETITEM, then batches (a run, then segments),
+     * the next two in one batch each, the last never */
+    static const char p[] = "\x80\x04(]K\x01"
+                            "a(K\x02K\x03"
+                            "eK\x04"
+                            "a"
+                            "}K\x05K\x06s(K\x07K\x08K\x09K\x0a"
+                            "u"
+                            "](K\x0bK\x0c"
+                            "e}K\x0dK\x0es]t.";
+    static const int want[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(S(p), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *t = node(res, res->root);
+    static const uint32_t count[] = {4, 3, 2, 1, 0},
+                          kinds[] = {SS_MD_LIST, SS_MD_DICT, SS_MD_LIST,
+                                     SS_MD_DICT, SS_MD_LIST};
+    int w = 0;
+    CHECK_EQ_INT(t->kind, SS_MD_TUPLE);
+    CHECK_EQ_INT(t->b, 5);
+    for (uint32_t j = 0; j < 5 && t->b == 5; j++) {
+        const ss_md_node *c = node(res, res->kids[t->a + j]);
+        uint32_t nk = c->kind == SS_MD_DICT ? 2 * c->b : c->b;
+        CHECK_EQ_INT(c->kind, (int)kinds[j]);
+        CHECK_EQ_INT(c->b, (int)count[j]);
+        CHECK(c->a + nk <= res->nkids);
+        for (uint32_t k = 0; k < nk && w < 14; k++)
+            CHECK_EQ_INT(ival(node(res, res->kids[c->a + k])), want[w++]);
+    }
+    CHECK_EQ_INT(w, 14);
+    ss_mdread_free(r);
+    free(buf);
+}
+
 int main(void)
 {
     RUN(test_decodes_a_dict);
@@ -326,6 +369,7 @@ int main(void)
     RUN(test_refuses);
     RUN(test_truncations_and_flips);
     RUN(test_many_items);
+    RUN(test_batches_after_a_run);
     ss_mdread_free(NULL);
     return ss_test_report("test_mdread");
 }
