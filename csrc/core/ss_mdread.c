@@ -12,7 +12,17 @@
  * at the end of the array, so the binding sees (offset, count) everywhere.
  * (A segment per container cost 12 bytes a chunk-sized dict: a quarter of
  * the file's size over a large .metadata's decode.) Every argument is
- * checked against the bytes left before it is read. */
+ * checked against the bytes left before it is read.
+ *
+ * The memo: a pickler memoizes every object it writes, and fetches back
+ * few of them (the class globals, the field names, the keys a storage entry
+ * shares with a tensor), so a memo of every put index cost 4 bytes for
+ * each of tens of millions of entries. A first, cheap pass (prescan) walks
+ * the opcodes only to mark the indices any GET names (a bitmap); the
+ * decode then keeps the node of a marked index only, at its rank among
+ * the marked ones (a prefix count per 64 indices). The prescan stops at
+ * anything it cannot step over; the decode refuses there (or before), so
+ * the two agree on every index up to the decode's answer. */
 #include "ss_mdread.h"
 
 #include <stdlib.h>
@@ -54,9 +64,12 @@ typedef struct dec {
     size_t sp, stcap;
     size_t *marks;
     size_t nmarks, mcap;
-    uint32_t *memo;
-    size_t nmemo, memocap;
-    uint32_t *ints; /* node + 1 of each int 256..65535 made so far */
+    uint64_t *fetched; /* bit i: some GET names memo index i (prescan) */
+    uint32_t *rank;    /* per 64 indices: the marked ones before them */
+    size_t nwords;     /* words of fetched (and of rank) */
+    uint32_t *memo;    /* per marked index, by rank: its node */
+    size_t nmemo;      /* indices stored so far (puts come in order) */
+    uint32_t *ints;    /* node + 1 of each int 256..65535 made so far */
     ss_errinfo *err;
 } dec;
 
@@ -246,34 +259,53 @@ static int append1(dec *s, uint8_t want, size_t n)
     return add_items(s, ci, items, n);
 }
 
+static unsigned pop64(uint64_t x)
+{
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return (unsigned)((x * 0x0101010101010101ull) >> 56);
+}
+
+/* The slot in s->memo of memo index i, or -1: no GET names it. */
+static int64_t memo_slot(const dec *s, uint64_t i)
+{
+    uint64_t w = i / 64, bit = (uint64_t)1 << (i % 64);
+    if (w >= s->nwords || !(s->fetched[w] & bit))
+        return -1;
+    return (int64_t)s->rank[w] + pop64(s->fetched[w] & (bit - 1));
+}
+
 static int memo_put(dec *s, uint64_t i)
 {
+    int64_t slot;
     if (s->sp <= fence(s))
         return refuse(s, SS_EINVAL, s->p, "memo of nothing");
     if (i > s->nmemo)
         return refuse(s, SS_ERANGE, s->p, "memo index out of order");
-    if (i == s->nmemo) {
-        if (grow((void **)&s->memo, &s->memocap, s->nmemo + 1,
-                 sizeof *s->memo) < 0)
-            return SS_ENOMEM;
+    if (i == s->nmemo)
         s->nmemo++;
-    }
-    s->memo[i] = s->stack[s->sp - 1];
+    if ((slot = memo_slot(s, i)) >= 0)
+        s->memo[slot] = s->stack[s->sp - 1];
     return 0;
 }
 
 static int memo_get(dec *s, uint64_t i)
 {
     ss_md_node *n;
+    int64_t slot;
     if (i >= s->nmemo)
         return refuse(s, SS_ERANGE, s->p, "memo index not stored");
-    n = &s->r->nodes[s->memo[i]];
+    /* the prescan marked every index a GET names below its nmemo */
+    if ((slot = memo_slot(s, i)) < 0)
+        return refuse(s, SS_EINVAL, s->p, "memo index not prescanned");
+    n = &s->r->nodes[s->memo[slot]];
     if (n->share == 0) {
         if (s->r->res.shared == SS_MD_SHARE_MAX)
             return refuse(s, SS_ERANGE, s->p, "too many shared values");
         n->share = ++s->r->res.shared;
     }
-    return push(s, s->memo[i]);
+    return push(s, s->memo[slot]);
 }
 
 /* Length-prefixed strings and bytes: w-byte length, then the data. */
@@ -536,6 +568,127 @@ static int flatten(dec *s)
     return 0;
 }
 
+/* Bytes an opcode's argument takes at d[p, len) (the opcode at d[p - 1]),
+ * with *idx the memo index of a PUT or GET; 0: an opcode without one;
+ * -1: not one the decode knows, or the argument is cut off. */
+static int64_t arg_len(const uint8_t *d, size_t p, size_t len, uint8_t op,
+                       uint64_t *idx)
+{
+    size_t left = len - p, w;
+    switch (op) {
+    case 'K':
+    case 'q':
+    case 'h':
+    case 'C':
+    case 0x8c:
+    case 0x8a:
+        w = 1;
+        break;
+    case 'M':
+        w = 2;
+        break;
+    case 'J':
+    case 'r':
+    case 'j':
+    case 'X':
+    case 'B':
+        w = 4;
+        break;
+    case 'G':
+    case 0x95:
+    case 0x8d:
+    case 0x8e:
+        w = 8;
+        break;
+    case 'c': {
+        const uint8_t *a = memchr(d + p, '\n', left), *b;
+        if (a == NULL)
+            return -1;
+        b = memchr(a + 1, '\n', (size_t)(d + len - (a + 1)));
+        return b == NULL ? -1 : (int64_t)(b + 1 - (d + p));
+    }
+    case 'N':
+    case 0x88:
+    case 0x89:
+    case ')':
+    case 0x85:
+    case 0x86:
+    case 0x87:
+    case 't':
+    case '(':
+    case ']':
+    case '}':
+    case 'a':
+    case 'e':
+    case 's':
+    case 'u':
+    case 0x93:
+    case 0x81:
+    case 'R':
+    case 'b':
+    case 0x94:
+        return 0;
+    default:
+        return -1;
+    }
+    if (left < w)
+        return -1;
+    *idx = le(d + p, w);
+    if (op == 0x8c || op == 'X' || op == 0x8d || op == 'C' || op == 'B' ||
+        op == 0x8e || op == 0x8a) {
+        if (*idx > left - w)
+            return -1;
+        return (int64_t)(w + *idx);
+    }
+    return (int64_t)w;
+}
+
+/* The first pass (see the file's head): s->fetched, s->rank, s->memo. */
+static int prescan(dec *s)
+{
+    size_t p = 2, nmemo = 0, marked = 0;
+    int rc = 0;
+    for (;;) {
+        uint8_t op;
+        uint64_t i = 0;
+        int64_t n;
+        if (p >= s->len || (op = s->d[p++]) == '.')
+            break;
+        if ((n = arg_len(s->d, p, s->len, op, &i)) < 0)
+            break;
+        p += (size_t)n;
+        if (op == 0x94 || op == 'q' || op == 'r') {
+            if (op == 0x94)
+                i = nmemo;
+            if (i > nmemo)
+                break; /* the decode refuses it */
+            if (i == nmemo) {
+                nmemo++;
+                if ((rc = grow((void **)&s->fetched, &s->nwords,
+                               (nmemo + 63) / 64, sizeof *s->fetched)) < 0)
+                    return rc;
+                if ((nmemo - 1) % 64 == 0) /* a new word */
+                    s->fetched[(nmemo - 1) / 64] = 0;
+            }
+        } else if ((op == 'h' || op == 'j') && i < nmemo) {
+            s->fetched[i / 64] |= (uint64_t)1 << (i % 64);
+        }
+    }
+    /* grow() left nwords a capacity: clear the words past the last used */
+    if (s->nwords > (nmemo + 63) / 64)
+        memset(s->fetched + (nmemo + 63) / 64, 0,
+               (s->nwords - (nmemo + 63) / 64) * sizeof *s->fetched);
+    if (s->nwords && (s->rank = malloc(s->nwords * sizeof *s->rank)) == NULL)
+        return SS_ENOMEM;
+    for (size_t w = 0; w < s->nwords; w++) {
+        s->rank[w] = (uint32_t)marked;
+        marked += (size_t)pop64(s->fetched[w]);
+    }
+    if (marked && (s->memo = malloc(marked * sizeof *s->memo)) == NULL)
+        return SS_ENOMEM;
+    return 0;
+}
+
 static int run(dec *s)
 {
     size_t frame_end = 0;
@@ -556,6 +709,8 @@ static int run(dec *s)
     if (s->len < 2 || s->d[0] != 0x80 || s->d[1] < 3 || s->d[1] > 5)
         return refuse(s, SS_EINVAL, 0, "not protocol 3-5");
     s->r->res.proto = s->d[1];
+    if ((rc = prescan(s)) < 0)
+        return rc;
     s->p = 2;
     for (;;) {
         uint8_t op;
@@ -613,6 +768,8 @@ int ss_mdread_decode(const void *data, size_t len, ss_mdread **out,
     free(s.stack);
     free(s.marks);
     free(s.memo);
+    free(s.fetched);
+    free(s.rank);
     free(s.ints);
     if (rc < 0) {
         ss_mdread_free(s.r);

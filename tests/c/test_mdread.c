@@ -361,6 +361,54 @@ static void test_batches_after_a_run(void)
     free(buf);
 }
 
+static void test_memo_fetched_only(void)
+{
+    /* ((s0, ..., s199), (s0, s63, s64, s127, s199, z, z)): 200 memoized
+     * strings, GETs across the prescan's 64-index words, and index 5 put
+     * again (z) before the GET that names it */
+    char s[3 + 200 * 4 + 15 + 11], *p = s;
+    memcpy(p, "\x80\x04(", 3);
+    p += 3;
+    for (int k = 0; k < 200; k++) {
+        *p++ = '\x8c';
+        *p++ = 1;
+        *p++ = (char)k;
+        *p++ = '\x94';
+    }
+    memcpy(p, "t(h\x00h\x3fh\x40h\x7fj\xc7\x00\x00\x00", 15);
+    p += 15;
+    memcpy(p, "\x8c\x01Zq\x05h\x05t\x86.", 11);
+    p += 11;
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(s, (size_t)(p - s), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *root = node(res, res->root), *t, *u;
+    static const int got[] = {0, 63, 64, 127, 199};
+    CHECK_EQ_INT(root->kind, SS_MD_TUPLE);
+    t = node(res, res->kids[root->a]);
+    u = node(res, res->kids[root->a + 1]);
+    CHECK_EQ_INT(t->b, 200);
+    CHECK_EQ_INT(u->b, 7);
+    if (t->b == 200 && u->b == 7) {
+        for (int j = 0; j < 5; j++) {
+            CHECK_EQ_INT(res->kids[u->a + j], res->kids[t->a + got[j]]);
+            CHECK(node(res, res->kids[u->a + j])->share != 0);
+        }
+        CHECK_EQ_INT(res->kids[u->a + 5], res->kids[u->a + 6]);
+        CHECK(buf[node(res, res->kids[u->a + 6])->a] == 'Z');
+        CHECK_EQ_INT(node(res, res->kids[t->a + 5])->share, 0);
+        CHECK_EQ_INT(node(res, res->kids[t->a + 1])->share, 0);
+    }
+    CHECK_EQ_INT(res->shared, 6);
+    ss_mdread_free(r);
+    free(buf);
+}
+
 int main(void)
 {
     RUN(test_decodes_a_dict);
@@ -370,6 +418,7 @@ int main(void)
     RUN(test_truncations_and_flips);
     RUN(test_many_items);
     RUN(test_batches_after_a_run);
+    RUN(test_memo_fetched_only);
     ss_mdread_free(NULL);
     return ss_test_report("test_mdread");
 }
