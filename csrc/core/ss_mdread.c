@@ -7,7 +7,7 @@
  * after, through the memo), so their items are recorded in a scratch array
  * (the result's kids): a container filled in one batch (nearly all of
  * them: a chunk's state dict, a short list) keeps (offset, count) in its
- * node, with c = ONE_RUN; one filled in several batches gets segments,
+ * node, with c = SS_MD_ONE_RUN; one filled in several batches gets segments,
  * chained per container, and at the end its items are copied into one run
  * at the end of the array, so the binding sees (offset, count) everywhere.
  * (A segment per container cost 12 bytes a chunk-sized dict: a quarter of
@@ -40,16 +40,25 @@ typedef struct seg {
     uint32_t off, count, next; /* next: segment index + 1, or 0 */
 } seg;
 
-/* A list's or dict's c while decoding: 0 (no items yet), ONE_RUN (a: the
- * offset of its items in tmp, one batch), or the last segment's index + 1
- * (a: the first's). Segment indices stay below it (add_items' bound). */
-#define ONE_RUN UINT32_MAX
+/* A list's or dict's c while decoding: 0 (no items yet), SS_MD_ONE_RUN
+ * (a: the offset of its items in tmp, one batch), or the last segment's
+ * index + 1 (a: the first's). Segment indices stay below it (add_items'
+ * bound). */
 
 struct ss_mdread {
     ss_md_result res;
     ss_md_node *nodes;
     size_t ncap;
     uint32_t *kids;
+};
+
+/* An open MARK: the stack position, and the table's sizes when it was
+ * pushed (a fold drops what was made since); taint: a node made before it
+ * was changed since (BUILD, items added), so it may refer to newer ones. */
+struct mark {
+    size_t sp;
+    uint32_t nodes, tmp, segs;
+    int taint;
 };
 
 typedef struct dec {
@@ -62,8 +71,10 @@ typedef struct dec {
     size_t nsegs, scap;
     uint32_t *stack;
     size_t sp, stcap;
-    size_t *marks;
+    struct mark *marks;
     size_t nmarks, mcap;
+    uint32_t pin_end; /* 1 + the last node a fetched memo index held, or 0 */
+    const ss_md_fold *fold;
     uint64_t *fetched; /* bit i: some GET names memo index i (prescan) */
     uint32_t *rank;    /* per 64 indices: the marked ones before them */
     size_t nwords;     /* words of fetched (and of rank) */
@@ -100,7 +111,7 @@ static int new_node(dec *s, uint8_t kind, uint32_t a, uint32_t b, uint32_t *idx)
 {
     ss_mdread *r = s->r;
     ss_md_node *n;
-    if (r->res.nnodes >= UINT32_MAX - 1)
+    if (r->res.nnodes >= SS_MD_ROW_BIT - 1)
         return refuse(s, SS_ERANGE, s->p, "too many values");
     if (grow((void **)&r->nodes, &r->ncap, r->res.nnodes + 1,
              sizeof *r->nodes) < 0)
@@ -124,7 +135,7 @@ static int push(dec *s, uint32_t v)
 
 static size_t fence(const dec *s)
 {
-    return s->nmarks ? s->marks[s->nmarks - 1] : 0;
+    return s->nmarks ? s->marks[s->nmarks - 1].sp : 0;
 }
 
 /* Pops n values above the fence into *out (a pointer into the stack, valid
@@ -142,8 +153,16 @@ static int pop_mark(dec *s, size_t *mark)
 {
     if (s->nmarks == 0)
         return refuse(s, SS_EINVAL, s->p, "no MARK");
-    *mark = s->marks[--s->nmarks];
+    *mark = s->marks[--s->nmarks].sp;
     return 0;
+}
+
+/* Node i is about to change: every open mark pushed after i was made is
+ * tainted (i may come to refer to the nodes made since). */
+static void touch(dec *s, uint32_t i)
+{
+    for (size_t k = s->nmarks; k-- > 0 && s->marks[k].nodes > i;)
+        s->marks[k].taint = 1;
 }
 
 /* Appends a segment (off, count) to s->segs (room made by the caller). */
@@ -156,7 +175,7 @@ static uint32_t new_seg(dec *s, uint32_t off, uint32_t count)
     return (uint32_t)++s->nsegs;
 }
 
-/* Records items as container node ci's next batch (see ONE_RUN). */
+/* Records items as container node ci's next batch (see SS_MD_ONE_RUN). */
 static int add_items(dec *s, uint32_t ci, const uint32_t *items, size_t n)
 {
     ss_md_node *c;
@@ -169,15 +188,16 @@ static int add_items(dec *s, uint32_t ci, const uint32_t *items, size_t n)
         return SS_ENOMEM;
     memmove(s->tmp + s->ntmp, items, n * sizeof *items);
     s->ntmp += n;
+    touch(s, ci);
     c = &s->r->nodes[ci];
     if (c->c == 0) {
         c->a = off;
-        c->c = ONE_RUN;
+        c->c = SS_MD_ONE_RUN;
     } else {
         if (grow((void **)&s->segs, &s->scap, s->nsegs + 2, sizeof *s->segs) <
             0)
             return SS_ENOMEM;
-        if (c->c == ONE_RUN) { /* the first batch becomes a segment */
+        if (c->c == SS_MD_ONE_RUN) { /* the first batch becomes a segment */
             uint32_t had = c->kind == SS_MD_DICT ? 2 * c->b : c->b;
             c->c = c->a = new_seg(s, c->a, had);
         }
@@ -222,12 +242,54 @@ static uint64_t le(const uint8_t *p, size_t n)
     return v;
 }
 
+/* Offers the batch of n items at s->stack + mark, for container ci, to
+ * the fold hook, if what was made since mark m is theirs alone (nothing of
+ * it fetched later, no older node changed since); when the hook takes it,
+ * drops those nodes and puts its rows in the stack in place of the items.
+ * 1: folded, 0: not, or an error. */
+static int fold(dec *s, const struct mark *m, uint32_t ci, size_t mark,
+                size_t n)
+{
+    ss_mdread *r = s->r;
+    uint32_t row0 = 0, rows;
+    int rc;
+    if (s->fold == NULL || m->taint || s->pin_end > m->nodes || n == 0)
+        return 0;
+    r->res.nodes = r->nodes;
+    r->res.kids = s->tmp;
+    r->res.nkids = s->ntmp;
+    rc = s->fold->batch(s->fold->ctx, &r->res, ci, s->stack + mark, n, &row0);
+    if (rc <= 0)
+        return rc;
+    rows = (uint32_t)(r->nodes[ci].kind == SS_MD_DICT ? n / 2 : n);
+    if (row0 >= SS_MD_ROW_BIT || rows > SS_MD_ROW_BIT - row0)
+        return refuse(s, SS_ERANGE, s->p, "too many rows");
+    /* the int cache may name dropped nodes */
+    for (size_t i = m->nodes; i < r->res.nnodes; i++) {
+        const ss_md_node *x = &r->nodes[i];
+        uint64_t v = (uint64_t)x->b << 32 | x->a;
+        if (x->kind == SS_MD_INT && v < 65536 && s->ints != NULL &&
+            s->ints[v] == i + 1)
+            s->ints[v] = 0;
+    }
+    r->res.nnodes = m->nodes;
+    s->ntmp = m->tmp;
+    s->nsegs = m->segs;
+    for (size_t k = 0; k < n; k++) /* a dict's pair: its row twice */
+        s->stack[mark + k] =
+            (row0 + (uint32_t)(rows == n ? k : k / 2)) | SS_MD_ROW_BIT;
+    return 1;
+}
+
 /* Appends the items above the last mark to the container below it. */
 static int extend(dec *s, uint8_t want)
 {
     size_t mark = 0, n;
+    struct mark m = {0};
     uint32_t ci;
     int rc;
+    if (s->nmarks)
+        m = s->marks[s->nmarks - 1];
     if ((rc = pop_mark(s, &mark)) < 0)
         return rc;
     if (mark == 0 || mark < fence(s) + 1)
@@ -238,7 +300,8 @@ static int extend(dec *s, uint8_t want)
         return refuse(s, SS_EINVAL, s->p, "APPENDS/SETITEMS on another type");
     if (want == SS_MD_DICT && n % 2)
         return refuse(s, SS_EINVAL, s->p, "odd number of SETITEMS items");
-    if ((rc = add_items(s, ci, s->stack + mark, n)) < 0)
+    if ((rc = fold(s, &m, ci, mark, n)) < 0 ||
+        (rc = add_items(s, ci, s->stack + mark, n)) < 0)
         return rc;
     s->sp = mark;
     return 0;
@@ -285,8 +348,11 @@ static int memo_put(dec *s, uint64_t i)
         return refuse(s, SS_ERANGE, s->p, "memo index out of order");
     if (i == s->nmemo)
         s->nmemo++;
-    if ((slot = memo_slot(s, i)) >= 0)
+    if ((slot = memo_slot(s, i)) >= 0) {
         s->memo[slot] = s->stack[s->sp - 1];
+        if (s->memo[slot] >= s->pin_end)
+            s->pin_end = s->memo[slot] + 1;
+    }
     return 0;
 }
 
@@ -459,7 +525,11 @@ static int step(dec *s, uint8_t op)
         if (grow((void **)&s->marks, &s->mcap, s->nmarks + 1,
                  sizeof *s->marks) < 0)
             return SS_ENOMEM;
-        s->marks[s->nmarks++] = s->sp;
+        s->marks[s->nmarks].sp = s->sp;
+        s->marks[s->nmarks].nodes = (uint32_t)s->r->res.nnodes;
+        s->marks[s->nmarks].tmp = (uint32_t)s->ntmp;
+        s->marks[s->nmarks].segs = (uint32_t)s->nsegs;
+        s->marks[s->nmarks++].taint = 0;
         return 0;
     case ']':
     case '}':
@@ -503,6 +573,7 @@ static int step(dec *s, uint8_t op)
         o = &s->r->nodes[s->stack[s->sp - 1]];
         if ((o->kind != SS_MD_NEWOBJ && o->kind != SS_MD_REDUCE) || o->c)
             return refuse(s, SS_EINVAL, s->p, "BUILD on another value");
+        touch(s, s->stack[s->sp - 1]);
         o->c = v[0] + 1;
         return 0;
     }
@@ -541,7 +612,7 @@ static int flatten(dec *s)
         if (n->kind != SS_MD_LIST && n->kind != SS_MD_DICT)
             continue;
         g = n->a;
-        if (n->c == 0 || n->c == ONE_RUN) {
+        if (n->c == 0 || n->c == SS_MD_ONE_RUN) {
             n->a = n->c ? n->a : 0;
             n->c = 0;
             continue;
@@ -748,11 +819,18 @@ static int run(dec *s)
 int ss_mdread_decode(const void *data, size_t len, ss_mdread **out,
                      ss_errinfo *err)
 {
+    return ss_mdread_decode_fold(data, len, NULL, out, err);
+}
+
+int ss_mdread_decode_fold(const void *data, size_t len, const ss_md_fold *fold,
+                          ss_mdread **out, ss_errinfo *err)
+{
     dec s;
     int rc;
 
     *out = NULL;
     memset(&s, 0, sizeof s);
+    s.fold = fold;
     s.d = data;
     s.len = len;
     s.err = err;
