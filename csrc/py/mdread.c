@@ -112,8 +112,40 @@ static const int8_t known[NCLS][6] = {
     [CLS_STORAGE_INFO] = {F_RELPATH, F_OFFSET, F_LENGTH, F_TD, F_CRC, -1},
 };
 
+/* Rows of chunks, made while decoding (fold_batch): a list's batch of
+ * ChunkStorageMetadata in torch's form (state {offsets, sizes}, two
+ * torch.Size, nothing of it shared) becomes rows of int64 (offsets, then
+ * sizes) and its nodes are dropped, so a large .metadata's table never
+ * holds its chunks (issue 16). Plain C: it runs without the GIL. */
+#define FOLD_NDIM_MAX 64
+#define FOLD_KEYS_MAX 16
+
+typedef struct fold_name {
+    const char *mod, *name; /* UTF-8 of the context's str keys */
+    Py_ssize_t lmod, lname;
+    int code; /* CLS_CHUNK or G_SIZE */
+} fold_name;
+
+typedef struct mdfold {
+    const char *data;
+    fold_name names[8];
+    int nnames;
+    int64_t *vals; /* row r: offsets then sizes, at roff[r], nd[r] each */
+    size_t nvals, vcap;
+    size_t *roff;
+    uint8_t *nd;
+    size_t nrows, rcap;
+    /* shared strings a folded chunk used as a state key, and the field
+     * each names (mark_keys marks them as it marks the table's) */
+    uint32_t keys[FOLD_KEYS_MAX];
+    int8_t keyf[FOLD_KEYS_MAX];
+    int nkeys;
+} mdfold;
+
 typedef struct bld {
     const ss_md_result *r;
+    const mdfold *fold;
+    ss_md_node no_node; /* what N() gives for a row id (kind 0xff) */
     const char *data;
     PyObject **cache; /* per share slot: the built value */
     uint8_t *active;  /* per share slot: being built (a cycle if met) */
@@ -138,10 +170,20 @@ typedef struct fields {
     int n;
 } fields;
 
+/* Node i; a row id (or any index past the table) gives no_node, a kind
+ * no check admits, so a row where no code expects one is "not ours". */
 static const ss_md_node *N(const bld *b, uint32_t i)
 {
-    return &b->r->nodes[i];
+    return i < b->r->nnodes ? &b->r->nodes[i] : &b->no_node;
 }
+
+static int is_row(const bld *b, uint32_t i)
+{
+    return (i & SS_MD_ROW_BIT) && b->fold != NULL &&
+           (i & ~SS_MD_ROW_BIT) < b->fold->nrows;
+}
+
+static PyObject *chunk_row(bld *b, uint32_t i);
 
 static const uint32_t *kids(const bld *b, const ss_md_node *n)
 {
@@ -792,6 +834,20 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
         const uint32_t *off, *len;
         uint32_t n1, n2;
         fields f;
+        if (is_row(b, ck[c])) {
+            size_t r = ck[c] & ~SS_MD_ROW_BIT;
+            const int64_t *v = b->fold->vals + b->fold->roff[r];
+            if (b->fold->nd[r] != nd)
+                return -1;
+            for (uint32_t k = 0; k < nd; k++) {
+                int64_t o = v[k], n = v[nd + k], s = ival(N(b, size[k]));
+                if (o < 0 || n < 0 ||
+                    (n != 0 &&
+                     (s < 0 || (uint64_t)o + (uint64_t)n > (uint64_t)s)))
+                    return -1;
+            }
+            continue;
+        }
         if (read_state(b, cn->c, CLS_CHUNK, &f) < 0 || !f.has[F_OFFSETS] ||
             !f.has[F_SIZES] || size_dims(b, f.node[F_OFFSETS], &off, &n1) < 0 ||
             size_dims(b, f.node[F_SIZES], &len, &n2) < 0 || n1 != nd ||
@@ -823,6 +879,8 @@ static int lazy_ok(bld *b, const ss_md_node *list)
     for (uint32_t c = 0; c < list->b; c++) {
         const ss_md_node *cn = N(b, ck[c]);
         fields f;
+        if (is_row(b, ck[c]))
+            continue; /* folded: nothing of it shared */
         if (cn->share || read_state(b, cn->c, CLS_CHUNK, &f) < 0 || f.n != 2 ||
             f.order[0] != F_OFFSETS || N(b, f.node[F_OFFSETS])->share ||
             N(b, f.node[F_SIZES])->share)
@@ -847,6 +905,13 @@ static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
             const uint32_t *d1, *d2;
             uint32_t n1, n2;
             fields f;
+            if (is_row(b, ck[c])) {
+                size_t r = ck[c] & ~SS_MD_ROW_BIT;
+                const int64_t *v = b->fold->vals + b->fold->roff[r];
+                memcpy(po + (size_t)c * nd, v, nd * sizeof *v);
+                memcpy(pl + (size_t)c * nd, v + nd, nd * sizeof *v);
+                continue;
+            }
             /* lazy_ok and chunks_inside checked every one of these */
             (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
             (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
@@ -874,7 +939,8 @@ static PyObject *build_tensor(bld *b, const fields *f)
         size_dims(b, f->node[F_SIZE], &size, &nd) < 0)
         return NULL;
     for (uint32_t c = 0; c < chunks->b; c++)
-        if (obj_class(b, kids(b, chunks)[c]) != CLS_CHUNK)
+        if (!is_row(b, kids(b, chunks)[c]) &&
+            obj_class(b, kids(b, chunks)[c]) != CLS_CHUNK)
             return NULL;
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
@@ -1148,6 +1214,8 @@ static PyObject *value(bld *b, uint32_t i)
     const ss_md_node *n = N(b, i);
     PyObject *out;
     uint32_t s = n->share;
+    if (is_row(b, i))
+        return chunk_row(b, i & ~SS_MD_ROW_BIT);
     /* scalars need no cache; a GLOBAL's slot holds its context entry */
     if (n->kind <= SS_MD_FLOAT || n->kind == SS_MD_GLOBAL)
         return value_(b, i);
@@ -1197,6 +1265,244 @@ static void mark_keys(bld *b)
         }
     }
     memset(seen, 0, (size_t)b->r->shared + 1);
+    for (int k = 0; b->fold != NULL && k < b->fold->nkeys; k++) {
+        const ss_md_node *key = N(b, b->fold->keys[k]);
+        if (key->kind == SS_MD_STR && key->share)
+            b->keyof[key->share] = (uint8_t)(b->fold->keyf[k] + 1);
+    }
+}
+
+/* torch.Size(values) as size_obj makes it. */
+static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd)
+{
+    PyTypeObject *tp = (PyTypeObject *)b->size_type;
+    PyObject *t =
+        b->size_type == Py_None ? PyTuple_New(nd) : tp->tp_alloc(tp, nd);
+    for (uint32_t k = 0; t != NULL && k < nd; k++) {
+        PyObject *x = PyLong_FromLongLong(v[k]);
+        if (x == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, k, x);
+    }
+    return t;
+}
+
+/* The ChunkStorageMetadata of row r, as build_chunk makes the chunk the
+ * row was folded from (fold_chunk admits only that form). */
+static PyObject *chunk_row(bld *b, uint32_t r)
+{
+    const mdfold *fo = b->fold;
+    const int64_t *v = fo->vals + fo->roff[r];
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = 2;
+    f.order[0] = F_OFFSETS;
+    f.order[1] = F_SIZES;
+    f.has[F_OFFSETS] = f.has[F_SIZES] = 1;
+    vals[F_OFFSETS] = size_from(b, v, fo->nd[r]);
+    vals[F_SIZES] =
+        vals[F_OFFSETS] ? size_from(b, v + fo->nd[r], fo->nd[r]) : NULL;
+    if (vals[F_SIZES] == NULL) {
+        Py_XDECREF(vals[F_OFFSETS]);
+        return NULL;
+    }
+    return make(b, CLS_CHUNK, &f, vals);
+}
+
+/* The code (CLS_CHUNK, G_SIZE) of GLOBAL node i in t; -1: another. */
+static int fold_global(const mdfold *f, const ss_md_result *t, uint32_t i)
+{
+    const ss_md_node *g, *m, *n;
+    if (i >= t->nnodes || (g = &t->nodes[i])->kind != SS_MD_GLOBAL)
+        return -1;
+    m = &t->nodes[g->a];
+    n = &t->nodes[g->b];
+    for (int k = 0; k < f->nnames; k++) {
+        const fold_name *x = &f->names[k];
+        if (m->b == x->lmod && n->b == x->lname &&
+            memcmp(f->data + m->a, x->mod, (size_t)x->lmod) == 0 &&
+            memcmp(f->data + n->a, x->name, (size_t)x->lname) == 0)
+            return x->code;
+    }
+    return -1;
+}
+
+static int fold_str_is(const mdfold *f, const ss_md_node *n, const char *s)
+{
+    size_t len = strlen(s);
+    return n->kind == SS_MD_STR && n->b == len &&
+           memcmp(f->data + n->a, s, len) == 0;
+}
+
+/* A torch.Size REDUCE node i of ints, unshared, without BUILD: its dims
+ * into out (if not NULL); -1 otherwise. */
+static int fold_size(const mdfold *f, const ss_md_result *t, uint32_t i,
+                     int64_t *out)
+{
+    const ss_md_node *n, *args, *d;
+    if (i >= t->nnodes || (n = &t->nodes[i])->kind != SS_MD_REDUCE ||
+        n->share || n->c || fold_global(f, t, n->a) != G_SIZE)
+        return -1;
+    args = &t->nodes[n->b];
+    if (args->b == 0)
+        return 0;
+    if (args->b != 1 || t->kids[args->a] >= t->nnodes)
+        return -1;
+    d = &t->nodes[t->kids[args->a]];
+    if (d->kind != SS_MD_TUPLE || d->b > FOLD_NDIM_MAX)
+        return -1;
+    for (uint32_t k = 0; k < d->b; k++) {
+        uint32_t x = t->kids[d->a + k];
+        if (x >= t->nnodes || t->nodes[x].kind != SS_MD_INT)
+            return -1;
+        if (out != NULL)
+            out[k] = ival(&t->nodes[x]);
+    }
+    return (int)d->b;
+}
+
+/* A ChunkStorageMetadata NEWOBJ node i in the form chunk_row makes: its
+ * ndim, the row written at out (if not NULL); -1 otherwise. */
+static int fold_chunk(mdfold *f, const ss_md_result *t, uint32_t i,
+                      int64_t *out)
+{
+    const ss_md_node *n, *st;
+    const uint32_t *kv;
+    int n1, n2;
+    if (i >= t->nnodes || (n = &t->nodes[i])->kind != SS_MD_NEWOBJ ||
+        n->share || n->c == 0 || t->nodes[n->b].b != 0 ||
+        fold_global(f, t, n->a) != CLS_CHUNK)
+        return -1;
+    st = &t->nodes[n->c - 1];
+    if (st->kind != SS_MD_DICT || st->share || st->c != SS_MD_ONE_RUN ||
+        st->b != 2)
+        return -1;
+    kv = t->kids + st->a;
+    for (int j = 0; j < 4; j++)
+        if (kv[j] >= t->nnodes)
+            return -1;
+    if (!fold_str_is(f, &t->nodes[kv[0]], "offsets") ||
+        !fold_str_is(f, &t->nodes[kv[2]], "sizes"))
+        return -1;
+    n1 = fold_size(f, t, kv[1], out);
+    n2 = n1 < 0 ? -1 : fold_size(f, t, kv[3], out ? out + n1 : NULL);
+    if (n1 < 0 || n2 != n1)
+        return -1;
+    for (int j = 0; out != NULL && j < 4; j += 2) {
+        int k = 0;
+        if (t->nodes[kv[j]].share == 0)
+            continue;
+        while (k < f->nkeys && f->keys[k] != kv[j])
+            k++;
+        if (k == f->nkeys) {
+            f->keys[f->nkeys] = kv[j];
+            f->keyf[f->nkeys++] = (int8_t)(j ? F_SIZES : F_OFFSETS);
+        }
+    }
+    return n1;
+}
+
+static int fold_grow(void **a, size_t *cap, size_t need, size_t elem)
+{
+    size_t n = *cap ? *cap : 1024;
+    void *p;
+    if (need <= *cap)
+        return 0;
+    while (n < need)
+        n *= 2;
+    if (n > PY_SSIZE_T_MAX / elem ||
+        (p = PyMem_RawRealloc(*a, n * elem)) == NULL)
+        return -1;
+    *a = p;
+    *cap = n;
+    return 0;
+}
+
+/* ss_md_fold's batch: a list's batch of chunks in chunk_row's form (all of
+ * them, or none) as rows. */
+static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
+                      const uint32_t *items, size_t n, uint32_t *row0)
+{
+    mdfold *f = ctx;
+    size_t need = 0, rcap = f->rcap;
+    int keys = 0;
+    if (t->nodes[ci].kind != SS_MD_LIST)
+        return 0;
+    for (size_t k = 0; k < n; k++) {
+        int nd = fold_chunk(f, t, items[k], NULL);
+        if (nd < 0)
+            return 0;
+        need += 2 * (size_t)nd;
+    }
+    /* room for the keys it may record: at most two new a batch */
+    for (int k = 0; k < 2; k++)
+        keys += f->nkeys + k < FOLD_KEYS_MAX;
+    if (keys < 2 || f->nrows + n >= SS_MD_ROW_BIT)
+        return 0;
+    if (fold_grow((void **)&f->vals, &f->vcap, f->nvals + need,
+                  sizeof *f->vals) < 0 ||
+        fold_grow((void **)&f->roff, &rcap, f->nrows + n, sizeof *f->roff) <
+            0 ||
+        fold_grow((void **)&f->nd, &f->rcap, f->nrows + n, sizeof *f->nd) < 0)
+        return SS_ENOMEM;
+    *row0 = (uint32_t)f->nrows;
+    for (size_t k = 0; k < n; k++) {
+        int nd = fold_chunk(f, t, items[k], f->vals + f->nvals);
+        f->roff[f->nrows] = f->nvals;
+        f->nd[f->nrows++] = (uint8_t)nd;
+        f->nvals += 2 * (size_t)nd;
+    }
+    return 1;
+}
+
+/* The context's names of ChunkStorageMetadata and torch.Size, for
+ * fold_batch (which must not touch Python objects); 0: none (no fold). */
+static int fold_prepare(mdfold *f, PyObject *ctx, const char *data)
+{
+    PyObject *g, *k, *v;
+    Py_ssize_t pos = 0;
+    int has_chunk = 0, has_size = 0;
+    memset(f, 0, sizeof *f);
+    f->data = data;
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 2 ||
+        !PyDict_Check(g = PyTuple_GET_ITEM(ctx, 1)))
+        return 0;
+    while (PyDict_Next(g, &pos, &k, &v)) {
+        long code;
+        fold_name *x = &f->names[f->nnames];
+        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2 ||
+            !PyLong_Check(PyTuple_GET_ITEM(v, 0)) || !PyTuple_Check(k) ||
+            PyTuple_GET_SIZE(k) != 2 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(k, 0)) ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(k, 1)))
+            continue;
+        code = PyLong_AsLong(PyTuple_GET_ITEM(v, 0));
+        if ((code != CLS_CHUNK && code != G_SIZE) || f->nnames == 8)
+            continue;
+        x->mod = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(k, 0), &x->lmod);
+        x->name =
+            x->mod ? PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(k, 1), &x->lname)
+                   : NULL;
+        if (x->name == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        x->code = (int)code;
+        has_chunk |= code == CLS_CHUNK;
+        has_size |= code == G_SIZE;
+        f->nnames++;
+    }
+    PyErr_Clear();
+    return has_chunk && has_size;
+}
+
+static void fold_free(mdfold *f)
+{
+    PyMem_RawFree(f->vals);
+    PyMem_RawFree(f->roff);
+    PyMem_RawFree(f->nd);
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -1249,12 +1555,15 @@ bad:
     return -1;
 }
 
-static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx)
+static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx,
+                       const mdfold *fold)
 {
     bld b;
     PyObject *out = NULL;
     memset(&b, 0, sizeof b);
     b.r = r;
+    b.fold = fold;
+    b.no_node.kind = 0xff;
     b.data = data;
     if (unpack_ctx(&b, ctx) < 0)
         return NULL;
@@ -1297,6 +1606,9 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     ss_errinfo err;
     Py_buffer view;
     PyObject *out;
+    mdfold fold;
+    ss_md_fold hook = {fold_batch, &fold};
+    const ss_md_fold *use;
     int rc;
 
     (void)m;
@@ -1308,21 +1620,24 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     ss_errinfo_clear(&err);
+    use = fold_prepare(&fold, args[1], view.buf) ? &hook : NULL;
     /* The view keeps the buffer mapped and its size fixed while the GIL is
      * released; a writable one (a bytearray) could still change under the
      * decoder, so it is decoded with the GIL held. */
     if (view.len >= MD_NOGIL_MIN && view.readonly) {
         Py_BEGIN_ALLOW_THREADS
-            rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+            rc = ss_mdread_decode_fold(view.buf, (size_t)view.len, use, &r,
+                                       &err);
         Py_END_ALLOW_THREADS
     } else {
-        rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+        rc = ss_mdread_decode_fold(view.buf, (size_t)view.len, use, &r, &err);
     }
     if (rc < 0)
         out = Py_NewRef(Py_None); /* not decoded: the reference decides */
     else
-        out = build(ss_mdread_result(r), view.buf, args[1]);
+        out = build(ss_mdread_result(r), view.buf, args[1], use ? &fold : NULL);
     ss_mdread_free(r);
+    fold_free(&fold);
     PyBuffer_Release(&view);
     return out;
 }
