@@ -563,7 +563,10 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     object the stream fetches again later (a chunk's offsets shared with a
     storage key; a chunk used twice), which stays nodes: the list mixes
     both. The result is the reference's, sharing included, and the chunk
-    keys' names fetched again as values (planner_data) come out equal."""
+    keys' names fetched again as values (planner_data) come out equal.
+    storage_data's SETITEMS batches of (MetadataIndex, _StorageInfo) fold
+    the same way (fresh fqns as ranges of the data, a path every entry
+    shares as its node), mixed with the first batch's nodes."""
     if not torch_loaded:
         monkeypatch.setattr(B, "loaded_torch", lambda: None)
         monkeypatch.setattr(fastread, "loaded_torch", lambda: None)
@@ -578,6 +581,10 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
                                         torch.Size([2000]), plain)},
         {"names": ["offsets", "sizes"]},
         {tmd.MetadataIndex("w", shared.offsets): _StorageInfo("f", 0, 12)})
+    path = "".join(["__0_", "0.distcp"])
+    for i in range(2500):  # fresh fqn objects, one shared path
+        md.storage_data[tmd.MetadataIndex("".join(["v", str(i % 7)]), torch.Size([i]),
+                                          i % 3 if i % 2 else None)] = _StorageInfo(path, i, 7)
     data = pickle.dumps(md)
     assert data.count(b"\x8c\x07offsets") == 1
     got = check(data, served=True)
@@ -585,6 +592,7 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     assert len(chunks) == 2500 and list(chunks[7].offsets) == [7, 0]
     assert chunks[2200] is chunks[2100]
     assert got.planner_data == {"names": ["offsets", "sizes"]}
+    assert len(got.storage_data) == 2501 and type(got.storage_data) is dict
     # compact: "v" (all rows) becomes a ChunkList, "w" (shares) stays a list
     monkeypatch.setattr(_mdlazy, "LAZY_MIN", 1)
     lazy, ref = fastread._fast(data), _pickle._reference(data)
@@ -593,3 +601,8 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     assert v == ref.state_dict_metadata["v"].chunks
     assert type(lazy.state_dict_metadata["w"].chunks) is list
     assert lazy.state_dict_metadata["w"].chunks == ref.state_dict_metadata["w"].chunks
+    sd = lazy.storage_data
+    assert type(sd) is _mdlazy.StorageMap and len(sd) == 2501
+    for k, v in ref.storage_data.items():
+        assert sd[k] == v
+    assert dict(sd.items()) == ref.storage_data
