@@ -579,7 +579,8 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
                                         torch.Size([2500, 3]), cs),
          "v": tmd.TensorStorageMetadata(tmd.TensorProperties(torch.int8),
                                         torch.Size([2000]), plain)},
-        {"names": ["offsets", "sizes"]},
+        {"names": ["offsets", "sizes"],  # chunk rows built after the tensors'
+         "cs": [tmd.ChunkStorageMetadata(torch.Size([i]), torch.Size([2])) for i in range(3)]},
         {tmd.MetadataIndex("w", shared.offsets): _StorageInfo("f", 0, 12)})
     path = "".join(["__0_", "0.distcp"])
     for i in range(2500):  # fresh fqn objects, one shared path
@@ -591,7 +592,7 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     chunks = got.state_dict_metadata["w"].chunks
     assert len(chunks) == 2500 and list(chunks[7].offsets) == [7, 0]
     assert chunks[2200] is chunks[2100]
-    assert got.planner_data == {"names": ["offsets", "sizes"]}
+    assert got.planner_data == md.planner_data
     assert len(got.storage_data) == 2501 and type(got.storage_data) is dict
     # compact: "v" (all rows) becomes a ChunkList, "w" (shares) stays a list
     monkeypatch.setattr(_mdlazy, "LAZY_MIN", 1)

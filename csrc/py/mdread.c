@@ -153,6 +153,8 @@ typedef struct mdfold {
     size_t nrows, rcap;
     srow *srows;
     size_t nsrows, scap;
+    int64_t *svals; /* the storage keys' offset dims (srow.koff) */
+    size_t nsvals, svcap;
     /* shared strings a folded chunk used as a state key, and the field
      * each names (mark_keys marks them as it marks the table's) */
     uint32_t keys[FOLD_KEYS_MAX];
@@ -162,7 +164,8 @@ typedef struct mdfold {
 
 typedef struct bld {
     const ss_md_result *r;
-    const mdfold *fold;
+    mdfold *fold;
+    size_t rows_used;   /* chunk rows made into their lists so far */
     ss_md_node no_node; /* what N() gives for a row id (kind 0xff) */
     const char *data;
     PyObject **cache; /* per share slot: the built value */
@@ -212,6 +215,7 @@ static int64_t srow_of(const bld *b, uint32_t i)
 }
 
 static PyObject *chunk_row(bld *b, uint32_t i);
+static void fold_drop_chunks(mdfold *f);
 static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd);
 
 static const uint32_t *kids(const bld *b, const ss_md_node *n)
@@ -627,7 +631,7 @@ static const srow *entry_row(bld *b, const uint32_t *k, size_t p, srow *tmp,
     if (r >= 0) {
         if (srow_of(b, k[2 * p + 1]) != r)
             return NULL;
-        *dv = b->fold->vals + b->fold->srows[r].koff;
+        *dv = b->fold->svals + b->fold->srows[r].koff;
         return &b->fold->srows[r];
     }
     if (fold_entry((mdfold *)b->fold, b->r, k[2 * p], k[2 * p + 1], tmp, tdims,
@@ -1026,6 +1030,8 @@ static PyObject *build_metadata(bld *b, const fields *f)
         if (!ok)
             goto fail;
     }
+    if (b->fold != NULL && b->fold->nrows && b->rows_used == b->fold->nrows)
+        fold_drop_chunks(b->fold);
     if (b->lazy && b->make_storage != NULL && f->has[F_STORAGE] &&
         lazy_storage(b, N(b, f->node[F_STORAGE]), &vals[F_STORAGE]) < 0)
         goto fail;
@@ -1140,6 +1146,7 @@ static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
                 const int64_t *v = b->fold->vals + b->fold->roff[r];
                 memcpy(po + (size_t)c * nd, v, nd * sizeof *v);
                 memcpy(pl + (size_t)c * nd, v + nd, nd * sizeof *v);
+                b->rows_used++;
                 continue;
             }
             /* lazy_ok and chunks_inside checked every one of these */
@@ -1382,7 +1389,7 @@ static PyObject *index_row(bld *b, const srow *r)
                                               : PyLong_FromLongLong(r->kidx);
         else
             vals[id] = r->kndim < 0 ? Py_NewRef(Py_None)
-                                    : size_from(b, b->fold->vals + r->koff,
+                                    : size_from(b, b->fold->svals + r->koff,
                                                 (uint32_t)r->kndim);
         if (vals[id] == NULL) {
             for (int x = 0; x < NFIELDS; x++)
@@ -1597,6 +1604,7 @@ static PyObject *chunk_row(bld *b, uint32_t r)
 {
     const mdfold *fo = b->fold;
     const int64_t *v = fo->vals + fo->roff[r];
+    b->rows_used++;
     PyObject *vals[NFIELDS] = {0};
     fields f;
     memset(&f, 0, sizeof f);
@@ -1869,8 +1877,8 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
                 return 0;
             need += r.kndim > 0 ? (size_t)r.kndim : 0;
         }
-        if (fold_grow((void **)&f->vals, &f->vcap, f->nvals + need,
-                      sizeof *f->vals) < 0 ||
+        if (fold_grow((void **)&f->svals, &f->svcap, f->nsvals + need,
+                      sizeof *f->svals) < 0 ||
             fold_grow((void **)&f->srows, &f->scap, f->nsrows + n / 2,
                       sizeof *f->srows) < 0)
             return SS_ENOMEM;
@@ -1878,9 +1886,9 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
         for (size_t k = 0; k < n; k += 2) {
             srow *w = &f->srows[f->nsrows++];
             (void)fold_entry(f, t, items[k], items[k + 1], w, dims, 1);
-            w->koff = f->nvals;
+            w->koff = f->nsvals;
             for (int j = 0; j < w->kndim; j++)
-                f->vals[f->nvals++] = dims[j];
+                f->svals[f->nsvals++] = dims[j];
         }
         return 1;
     }
@@ -1962,6 +1970,21 @@ static void fold_free(mdfold *f)
     PyMem_RawFree(f->roff);
     PyMem_RawFree(f->nd);
     PyMem_RawFree(f->srows);
+    PyMem_RawFree(f->svals);
+}
+
+/* The chunk rows, once every one was made into its list: the storage
+ * build that follows is a read's peak. Row ids left anywhere read "not
+ * ours" from then on (is_row). */
+static void fold_drop_chunks(mdfold *f)
+{
+    PyMem_RawFree(f->vals);
+    PyMem_RawFree(f->roff);
+    PyMem_RawFree(f->nd);
+    f->vals = NULL;
+    f->roff = NULL;
+    f->nd = NULL;
+    f->nvals = f->vcap = f->nrows = f->rcap = 0;
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -2015,7 +2038,7 @@ bad:
 }
 
 static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx,
-                       const mdfold *fold)
+                       mdfold *fold)
 {
     bld b;
     PyObject *out = NULL;
