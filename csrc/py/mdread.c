@@ -125,15 +125,15 @@ static const int8_t known[NCLS][6] = {
 /* A storage entry (MetadataIndex -> _StorageInfo) folded: the strings as a
  * node index (a shared one: older than the batch, it stays) or, with
  * SD_FQN_FRESH / SD_PATH_FRESH, as (offset, length) in the data. */
-typedef struct srow {
-    uint32_t fqn, fqn_len, path, path_len;
-    size_t koff;    /* the key's offset dims in mdfold.vals */
-    uint8_t flags;  /* SD_* */
-    int8_t kndim;   /* -1: the offset is None or absent */
-    int8_t kord[3]; /* the key's fields in their order (F_*), kn of them */
-    int8_t kn;
-    int8_t has_crc;
-    int64_t kidx, off, len, crc;
+typedef struct srow { /* 48 bytes: 2,000,000 of them in a large file */
+    int64_t kidx, off, len;
+    uint32_t fqn, path;
+    uint32_t koff; /* the key's offset dims in mdfold.svals */
+    uint32_t crc;
+    uint16_t fqn_len, path_len;
+    uint8_t flags; /* SD_* */
+    int8_t kndim;  /* -1: the offset is None or absent */
+    uint8_t kord;  /* the key's fields in order: 2 bits each (KF_*) */
 } srow;
 
 typedef struct fold_name {
@@ -514,6 +514,19 @@ enum {
     SD_OFF_ABSENT = 32 /* the key has no offset field (torch: offset None) */
 };
 
+/* A key field's 2-bit code in srow.kord, and back. */
+static const int kf_field[3] = {F_FQN, F_INDEX, F_OFFSET};
+
+static int srow_kn(const srow *r)
+{
+    return r->flags & SD_OFF_ABSENT ? 2 : 3;
+}
+
+static int srow_kord(const srow *r, int j)
+{
+    return kf_field[(r->kord >> (2 * j)) & 3];
+}
+
 /* Whether key state f's field order agrees with the keys before it: fqn
  * before index or after it in all, offset (where present) at one place. */
 static int key_order(const fields *f, int *fqn_first, int *offpos)
@@ -700,9 +713,9 @@ static int lazy_storage_rows(bld *b, const ss_md_node *d, PyObject **out)
         fields f;
         if (r == NULL)
             return 0;
-        f.n = r->kn;
+        f.n = srow_kn(r);
         for (int j = 0; j < f.n; j++)
-            f.order[j] = r->kord[j];
+            f.order[j] = (int8_t)srow_kord(r, j);
         if (key_order(&f, &fqn_first, &offpos) < 0)
             return 0;
         dims += r->kndim > 0 ? (size_t)r->kndim : 0;
@@ -1377,9 +1390,9 @@ static PyObject *index_row(bld *b, const srow *r)
     PyObject *vals[NFIELDS] = {0};
     fields f;
     memset(&f, 0, sizeof f);
-    f.n = r->kn;
-    for (int j = 0; j < r->kn; j++) {
-        int id = r->kord[j];
+    f.n = srow_kn(r);
+    for (int j = 0; j < f.n; j++) {
+        int id = srow_kord(r, j);
         f.order[j] = (int8_t)id;
         f.has[id] = 1;
         if (id == F_FQN)
@@ -1416,8 +1429,9 @@ static PyObject *info_row(bld *b, const srow *r)
     vals[F_OFFSET] = PyLong_FromLongLong(r->off);
     vals[F_LENGTH] = PyLong_FromLongLong(r->len);
     if (f.n == 4)
-        vals[F_CRC] = r->flags & SD_CRC_NONE ? Py_NewRef(Py_None)
-                                             : PyLong_FromLongLong(r->crc);
+        vals[F_CRC] = r->flags & SD_CRC_NONE
+                          ? Py_NewRef(Py_None)
+                          : PyLong_FromLongLong((int64_t)r->crc);
     for (int j = 0; j < f.n; j++) {
         f.has[f.order[j]] = 1;
         if (vals[f.order[j]] == NULL) {
@@ -1773,6 +1787,7 @@ static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
     const uint32_t *kv = NULL, *iv = NULL;
     uint32_t kp = 0, ip = 0;
     int seen = 0;
+    int64_t crc = 0;
     const ss_md_node *x;
     memset(r, 0, sizeof *r);
     r->kndim = -1;
@@ -1790,14 +1805,19 @@ static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
         if (id < 0 || (seen & bit))
             return -1;
         seen |= bit;
-        r->kord[r->kn++] = (int8_t)id;
+        r->kord |= (uint8_t)((id == F_FQN     ? 0
+                              : id == F_INDEX ? 1
+                                              : 2)
+                             << (2 * p));
         x = &t->nodes[kv[2 * p + 1]];
         if (id == F_FQN) {
             if (x->kind != SS_MD_STR)
                 return -1;
             r->flags |= x->share ? 0 : SD_FQN_FRESH;
             r->fqn = x->share ? kv[2 * p + 1] : x->a;
-            r->fqn_len = x->b;
+            if (x->b > UINT16_MAX)
+                return -1;
+            r->fqn_len = (uint16_t)x->b;
         } else if (id == F_INDEX) {
             if (x->kind == SS_MD_NONE)
                 r->flags |= SD_IDX_NONE;
@@ -1821,13 +1841,16 @@ static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
                 return -1;
             r->flags |= x->share ? 0 : SD_PATH_FRESH;
             r->path = x->share ? iv[2 * p + 1] : x->a;
-            r->path_len = x->b;
+            if (x->b > UINT16_MAX)
+                return -1;
+            r->path_len = (uint16_t)x->b;
         } else if (info[p] == F_CRC) {
             r->flags |= SD_HAS_CRC;
             if (x->kind == SS_MD_NONE)
                 r->flags |= SD_CRC_NONE;
-            else if (fold_int(x, 0, (int64_t)UINT32_MAX, &r->crc) < 0)
+            else if (fold_int(x, 0, (int64_t)UINT32_MAX, &crc) < 0)
                 return -1;
+            r->crc = (uint32_t)crc;
         } else if (fold_int(x, 0, INT64_MAX,
                             info[p] == F_OFFSET ? &r->off : &r->len) < 0) {
             return -1;
@@ -1835,7 +1858,7 @@ static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
     }
     if (record) { /* the second pass: record the shared key names */
         for (uint32_t p = 0; p < kp; p++)
-            fold_key(f, t, kv[2 * p], r->kord[p]);
+            fold_key(f, t, kv[2 * p], srow_kord(r, (int)p));
         for (uint32_t p = 0; p < ip; p++)
             fold_key(f, t, iv[2 * p], info[p]);
     }
@@ -1877,6 +1900,8 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
                 return 0;
             need += r.kndim > 0 ? (size_t)r.kndim : 0;
         }
+        if (f->nsvals + need > UINT32_MAX) /* srow.koff */
+            return 0;
         if (fold_grow((void **)&f->svals, &f->svcap, f->nsvals + need,
                       sizeof *f->svals) < 0 ||
             fold_grow((void **)&f->srows, &f->scap, f->nsrows + n / 2,
@@ -1886,7 +1911,7 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
         for (size_t k = 0; k < n; k += 2) {
             srow *w = &f->srows[f->nsrows++];
             (void)fold_entry(f, t, items[k], items[k + 1], w, dims, 1);
-            w->koff = f->nsvals;
+            w->koff = (uint32_t)f->nsvals;
             for (int j = 0; j < w->kndim; j++)
                 f->svals[f->nsvals++] = dims[j];
         }
