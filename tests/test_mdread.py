@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed._shard.sharded_tensor.metadata as legacy
 from _child_env import package_env
-from shardstate.checkpoint import _pickle
+from shardstate.checkpoint import _mdlazy, _pickle
 from shardstate.checkpoint._pickle import build as B
 from shardstate.checkpoint._pickle import fastread
 from shardstate.checkpoint._pickle.errors import PickleFormatError, UnsafePickleError
@@ -554,3 +554,56 @@ def test_shared_objects_stay_shared() -> None:
     got = check(data, served=True)
     assert got.state_dict_metadata["w"].chunks[0].sizes is got.state_dict_metadata["w"].size
     assert _pickle.dumps_metadata(got) == data == _pickle.dumps_metadata(_pickle._reference(data))
+
+
+@pytest.mark.parametrize("torch_loaded", [True, False])
+def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk list written in APPENDS batches of 1000 is turned into rows as
+    each batch completes (ss_mdread's fold hook), all but a batch with an
+    object the stream fetches again later (a chunk's offsets shared with a
+    storage key; a chunk used twice), which stays nodes: the list mixes
+    both. The result is the reference's, sharing included, and the chunk
+    keys' names fetched again as values (planner_data) come out equal.
+    storage_data's SETITEMS batches of (MetadataIndex, _StorageInfo) fold
+    the same way (fresh fqns as ranges of the data, a path every entry
+    shares as its node), mixed with the first batch's nodes."""
+    if not torch_loaded:
+        monkeypatch.setattr(B, "loaded_torch", lambda: None)
+        monkeypatch.setattr(fastread, "loaded_torch", lambda: None)
+    cs = [tmd.ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 3])) for i in range(2500)]
+    shared = cs[1500]
+    cs[2200] = cs[2100]
+    plain = [tmd.ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(2000)]
+    md = tmd.Metadata(
+        {"w": tmd.TensorStorageMetadata(tmd.TensorProperties(torch.float32),
+                                        torch.Size([2500, 3]), cs),
+         "v": tmd.TensorStorageMetadata(tmd.TensorProperties(torch.int8),
+                                        torch.Size([2000]), plain)},
+        {"names": ["offsets", "sizes"],  # chunk rows built after the tensors'
+         "cs": [tmd.ChunkStorageMetadata(torch.Size([i]), torch.Size([2])) for i in range(3)]},
+        {tmd.MetadataIndex("w", shared.offsets): _StorageInfo("f", 0, 12)})
+    path = "".join(["__0_", "0.distcp"])
+    for i in range(2500):  # fresh fqn objects, one shared path
+        md.storage_data[tmd.MetadataIndex("".join(["v", str(i % 7)]), torch.Size([i]),
+                                          i % 3 if i % 2 else None)] = _StorageInfo(path, i, 7)
+    data = pickle.dumps(md)
+    assert data.count(b"\x8c\x07offsets") == 1
+    got = check(data, served=True)
+    chunks = got.state_dict_metadata["w"].chunks
+    assert len(chunks) == 2500 and list(chunks[7].offsets) == [7, 0]
+    assert chunks[2200] is chunks[2100]
+    assert got.planner_data == md.planner_data
+    assert len(got.storage_data) == 2501 and type(got.storage_data) is dict
+    # compact: "v" (all rows) becomes a ChunkList, "w" (shares) stays a list
+    monkeypatch.setattr(_mdlazy, "LAZY_MIN", 1)
+    lazy, ref = fastread._fast(data), _pickle._reference(data)
+    v = lazy.state_dict_metadata["v"].chunks
+    assert isinstance(v, _mdlazy.ChunkList) and v.arrays()[0][:, 0].tolist() == list(range(2000))
+    assert v == ref.state_dict_metadata["v"].chunks
+    assert type(lazy.state_dict_metadata["w"].chunks) is list
+    assert lazy.state_dict_metadata["w"].chunks == ref.state_dict_metadata["w"].chunks
+    sd = lazy.storage_data
+    assert type(sd) is _mdlazy.StorageMap and len(sd) == 2501
+    for k, v in ref.storage_data.items():
+        assert sd[k] == v
+    assert dict(sd.items()) == ref.storage_data

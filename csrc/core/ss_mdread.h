@@ -69,6 +69,16 @@ typedef struct ss_md_node {
 /* The most share slots a stream may use (decode refuses more). */
 #define SS_MD_SHARE_MAX 0xffffffu
 
+/* A kid with this bit is no node but row (kid & ~SS_MD_ROW_BIT) of a fold
+ * hook (below); node indices stay below it. Decode without a hook makes
+ * none. */
+#define SS_MD_ROW_BIT 0x80000000u
+
+/* A list's or dict's c, while decoding only: its items, filled in one
+ * batch, are kids[a, a + count) (count: b, or 2b for a dict). c == 0: no
+ * items yet; any other c: filled in several batches (not contiguous yet). */
+#define SS_MD_ONE_RUN UINT32_MAX
+
 typedef struct ss_md_result {
     const ss_md_node *nodes;
     size_t nnodes;
@@ -81,6 +91,29 @@ typedef struct ss_md_result {
 
 typedef struct ss_mdread ss_mdread;
 
+/* The streaming hook (issue 16): a large .metadata repeats one small form
+ * per chunk (a ChunkStorageMetadata, a storage entry), a dozen nodes of
+ * 16 bytes where the file holds tens of bytes; a hook that turns each into
+ * a row of its own arrays as soon as it is complete keeps the table small.
+ *
+ * batch is called when APPENDS or SETITEMS adds the n items at items (a
+ * list's values, or n / 2 (key, value) pairs of a dict) to container ci,
+ * and every node made since that batch's MARK is reachable only from them:
+ * no GET names any of them later (the memo's prescan), and no node older
+ * than the MARK changed since (BUILD, items added). t is the table so far
+ * (nodes [0, nnodes), kids [0, nkids), containers as SS_MD_ONE_RUN says).
+ * It returns 0 (not taken: the items stay nodes), a negative SS_E* code
+ * (decode fails with it), or 1: it made one row of each item (pair), with
+ * ids *row0, *row0 + 1, ... (all below SS_MD_ROW_BIT); the decoder then
+ * drops every node made since the MARK (their indices are reused) and adds
+ * the row ids (| SS_MD_ROW_BIT) as ci's items (a pair's twice: key, value).
+ * Runs on the decoding thread; t is valid during the call only. */
+typedef struct ss_md_fold {
+    int (*batch)(void *ctx, const ss_md_result *t, uint32_t ci,
+                 const uint32_t *items, size_t n, uint32_t *row0);
+    void *ctx;
+} ss_md_fold;
+
 /* Decode data[0, len) (len < 2^32). 0 with *out set (free it with
  * ss_mdread_free), or SS_EINVAL (a stream outside the decoded set, see
  * above), SS_ERANGE (a length, frame or memo index out of bounds, no STOP)
@@ -88,6 +121,11 @@ typedef struct ss_mdread ss_mdread;
  * with err (may be NULL) naming the offset. The data must outlive *out. */
 int ss_mdread_decode(const void *data, size_t len, ss_mdread **out,
                      ss_errinfo *err);
+
+/* ss_mdread_decode with a fold hook (NULL: none); kids may then carry
+ * SS_MD_ROW_BIT, and every node is still reachable from the root. */
+int ss_mdread_decode_fold(const void *data, size_t len, const ss_md_fold *fold,
+                          ss_mdread **out, ss_errinfo *err);
 
 /* The decoded table; valid until ss_mdread_free. */
 const ss_md_result *ss_mdread_result(const ss_mdread *r);

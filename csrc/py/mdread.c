@@ -112,8 +112,61 @@ static const int8_t known[NCLS][6] = {
     [CLS_STORAGE_INFO] = {F_RELPATH, F_OFFSET, F_LENGTH, F_TD, F_CRC, -1},
 };
 
+/* Rows of chunks, made while decoding (fold_batch): a list's batch of
+ * ChunkStorageMetadata in torch's form (state {offsets, sizes}, two
+ * torch.Size, nothing of it shared) becomes rows of int64 (offsets, then
+ * sizes) and its nodes are dropped, so a large .metadata's table never
+ * holds its chunks (issue 16). Plain C: it runs without the GIL. */
+#define FOLD_NDIM_MAX 64
+#define FOLD_KEYS_MAX 32
+/* Row ids of storage entries start here (chunks' below). */
+#define FOLD_SROW0 0x40000000u
+
+/* A storage entry (MetadataIndex -> _StorageInfo) folded: the strings as a
+ * node index (a shared one: older than the batch, it stays) or, with
+ * SD_FQN_FRESH / SD_PATH_FRESH, as (offset, length) in the data. */
+typedef struct srow { /* 48 bytes: 2,000,000 of them in a large file */
+    int64_t kidx, off, len;
+    uint32_t fqn, path;
+    uint32_t koff; /* the key's offset dims in mdfold.svals */
+    uint32_t crc;
+    uint16_t fqn_len, path_len;
+    uint8_t flags; /* SD_* */
+    int8_t kndim;  /* -1: the offset is None or absent */
+    uint8_t kord;  /* the key's fields in order: 2 bits each (KF_*) */
+} srow;
+
+typedef struct fold_name {
+    const char *mod, *name; /* UTF-8 of the context's str keys */
+    Py_ssize_t lmod, lname;
+    int code; /* CLS_CHUNK or G_SIZE */
+} fold_name;
+
+typedef struct mdfold {
+    const char *data;
+    fold_name names[12];
+    int nnames;
+    int64_t *vals; /* row r: offsets then sizes, at roff[r], nd[r] each */
+    size_t nvals, vcap;
+    size_t *roff;
+    uint8_t *nd;
+    size_t nrows, rcap;
+    srow *srows;
+    size_t nsrows, scap;
+    int64_t *svals; /* the storage keys' offset dims (srow.koff) */
+    size_t nsvals, svcap;
+    /* shared strings a folded chunk used as a state key, and the field
+     * each names (mark_keys marks them as it marks the table's) */
+    uint32_t keys[FOLD_KEYS_MAX];
+    int8_t keyf[FOLD_KEYS_MAX];
+    int nkeys;
+} mdfold;
+
 typedef struct bld {
     const ss_md_result *r;
+    mdfold *fold;
+    size_t rows_used;   /* chunk rows made into their lists so far */
+    ss_md_node no_node; /* what N() gives for a row id (kind 0xff) */
     const char *data;
     PyObject **cache; /* per share slot: the built value */
     uint8_t *active;  /* per share slot: being built (a cycle if met) */
@@ -138,10 +191,32 @@ typedef struct fields {
     int n;
 } fields;
 
+/* Node i; a row id (or any index past the table) gives no_node, a kind
+ * no check admits, so a row where no code expects one is "not ours". */
 static const ss_md_node *N(const bld *b, uint32_t i)
 {
-    return &b->r->nodes[i];
+    return i < b->r->nnodes ? &b->r->nodes[i] : &b->no_node;
 }
+
+static int is_row(const bld *b, uint32_t i)
+{
+    return (i & SS_MD_ROW_BIT) && b->fold != NULL &&
+           (i & ~SS_MD_ROW_BIT) < b->fold->nrows;
+}
+
+/* A storage entry's row (its index in fold->srows), or -1. */
+static int64_t srow_of(const bld *b, uint32_t i)
+{
+    uint32_t r = i & ~SS_MD_ROW_BIT;
+    if (!(i & SS_MD_ROW_BIT) || b->fold == NULL || r < FOLD_SROW0 ||
+        r - FOLD_SROW0 >= b->fold->nsrows)
+        return -1;
+    return (int64_t)(r - FOLD_SROW0);
+}
+
+static PyObject *chunk_row(bld *b, uint32_t i);
+static void fold_drop_chunks(mdfold *f);
+static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd);
 
 static const uint32_t *kids(const bld *b, const ss_md_node *n)
 {
@@ -439,6 +514,19 @@ enum {
     SD_OFF_ABSENT = 32 /* the key has no offset field (torch: offset None) */
 };
 
+/* A key field's 2-bit code in srow.kord, and back. */
+static const int kf_field[3] = {F_FQN, F_INDEX, F_OFFSET};
+
+static int srow_kn(const srow *r)
+{
+    return r->flags & SD_OFF_ABSENT ? 2 : 3;
+}
+
+static int srow_kord(const srow *r, int j)
+{
+    return kf_field[(r->kord >> (2 * j)) & 3];
+}
+
 /* Whether key state f's field order agrees with the keys before it: fqn
  * before index or after it in all, offset (where present) at one place. */
 static int key_order(const fields *f, int *fqn_first, int *offpos)
@@ -543,6 +631,205 @@ static uint64_t key_hash(bld *b, uint32_t fqn, int nd, const int64_t *dims)
  * is one object per share slot, as value() makes it); a key met twice
  * (which the dict walk leaves to the reference) fails. 0 with *out NULL
  * for any other dict (the walk makes it), -1 with *out NULL: not ours. */
+static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
+                      uint32_t vi, srow *r, int64_t *dims, int record);
+
+/* Entry p of storage dict kids k as a row: its folded row, or one made
+ * into *tmp (its dims at tdims) from its nodes in fold_entry's form; NULL
+ * if neither. *dv: its key offset's dims. */
+static const srow *entry_row(bld *b, const uint32_t *k, size_t p, srow *tmp,
+                             int64_t *tdims, const int64_t **dv)
+{
+    int64_t r = srow_of(b, k[2 * p]);
+    if (r >= 0) {
+        if (srow_of(b, k[2 * p + 1]) != r)
+            return NULL;
+        *dv = b->fold->svals + b->fold->srows[r].koff;
+        return &b->fold->srows[r];
+    }
+    if (fold_entry((mdfold *)b->fold, b->r, k[2 * p], k[2 * p + 1], tmp, tdims,
+                   0) < 0)
+        return NULL;
+    *dv = tdims;
+    return tmp;
+}
+
+/* str_id for a fresh string of the data (a folded entry's). */
+static Py_ssize_t str_id_data(bld *b, sdb *s, uint32_t at, uint32_t len)
+{
+    PyObject *v =
+        PyUnicode_DecodeUTF8(b->data + at, (Py_ssize_t)len, "surrogatepass");
+    PyObject *hit, *k;
+    Py_ssize_t id;
+    int rc;
+    if (v == NULL)
+        return -1;
+    if ((hit = PyDict_GetItemWithError(s->fresh, v)) != NULL) {
+        Py_DECREF(v);
+        return PyLong_AsSsize_t(hit);
+    }
+    id = PyList_GET_SIZE(s->strs);
+    k = PyErr_Occurred() ? NULL : PyLong_FromSsize_t(id);
+    rc = k != NULL && PyList_Append(s->strs, v) == 0 &&
+                 PyDict_SetItem(s->fresh, v, k) == 0
+             ? 0
+             : -1;
+    Py_XDECREF(k);
+    Py_DECREF(v);
+    return rc < 0 ? -1 : id;
+}
+
+/* A folded entry's fqn bytes. */
+static const char *srow_fqn(const bld *b, const srow *r, uint32_t *len)
+{
+    const ss_md_node *n;
+    if (r->flags & SD_FQN_FRESH) {
+        *len = r->fqn_len;
+        return b->data + r->fqn;
+    }
+    n = N(b, r->fqn);
+    *len = n->b;
+    return b->data + n->a;
+}
+
+/* lazy_storage over a dict whose every entry was folded (fold_entry
+ * admitted exactly lazy_storage's pass 1 forms): the same columns. 0 with
+ * *out NULL: not all rows (the walk makes the dict), -1: not ours. */
+static int lazy_storage_rows(bld *b, const ss_md_node *d, PyObject **out)
+{
+    const uint32_t *k = kids(b, d);
+    size_t n = d->b, dims = 0, cap = 1;
+    sdb s = {0};
+    uint32_t *ht = NULL;
+    PyObject *arr[9] = {0}, *order = NULL;
+    int fqn_first = -1, offpos = -1, korder[3], rc = 0;
+
+    *out = NULL;
+    for (size_t p = 0; p < n; p++) {
+        srow tmp;
+        int64_t tdims[FOLD_NDIM_MAX];
+        const int64_t *dv;
+        const srow *r = entry_row(b, k, p, &tmp, tdims, &dv);
+        fields f;
+        if (r == NULL)
+            return 0;
+        f.n = srow_kn(r);
+        for (int j = 0; j < f.n; j++)
+            f.order[j] = (int8_t)srow_kord(r, j);
+        if (key_order(&f, &fqn_first, &offpos) < 0)
+            return 0;
+        dims += r->kndim > 0 ? (size_t)r->kndim : 0;
+    }
+    while (cap < 2 * n)
+        cap <<= 1;
+    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 8};
+    size_t len[9] = {n, n, n, n, dims, n, n, n, n};
+    for (int j = 0; j < 9; j++)
+        if ((arr[j] = PyBytes_FromStringAndSize(
+                 NULL, (Py_ssize_t)(len[j] * width[j]))) == NULL)
+            goto fail;
+    s.strs = PyList_New(0);
+    s.fresh = PyDict_New();
+    s.slotid = PyMem_Calloc((size_t)b->r->shared + 1, sizeof *s.slotid);
+    ht = PyMem_Calloc(cap, sizeof *ht);
+    if (s.strs == NULL || s.fresh == NULL || s.slotid == NULL || ht == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    {
+        int32_t *fid = (int32_t *)PyBytes_AS_STRING(arr[0]);
+        int32_t *pid = (int32_t *)PyBytes_AS_STRING(arr[1]);
+        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(arr[2]);
+        int8_t *nd = (int8_t *)PyBytes_AS_STRING(arr[3]);
+        int64_t *ko = (int64_t *)PyBytes_AS_STRING(arr[4]);
+        int64_t *kidx = (int64_t *)PyBytes_AS_STRING(arr[5]);
+        int64_t *ioff = (int64_t *)PyBytes_AS_STRING(arr[6]);
+        int64_t *ilen = (int64_t *)PyBytes_AS_STRING(arr[7]);
+        int64_t *crc = (int64_t *)PyBytes_AS_STRING(arr[8]);
+        size_t at = 0;
+        for (size_t p = 0; p < n; p++) {
+            srow tmp, qtmp;
+            int64_t tdims[FOLD_NDIM_MAX], qdims[FOLD_NDIM_MAX];
+            const int64_t *dv, *qv;
+            const srow *r = entry_row(b, k, p, &tmp, tdims, &dv);
+            int kn = r->kndim > 0 ? r->kndim : 0;
+            uint32_t fl_len, ol;
+            const char *fb = srow_fqn(b, r, &fl_len);
+            uint64_t h = 1469598103934665603ull;
+            Py_ssize_t id;
+            int fresh;
+            for (uint32_t j = 0; j < fl_len; j++)
+                h = (h ^ (unsigned char)fb[j]) * 1099511628211ull;
+            h = (h ^ (uint64_t)(r->kndim + 1)) * 1099511628211ull;
+            for (int j = 0; j < kn; j++)
+                h = (h ^ (uint64_t)dv[j]) * 1099511628211ull;
+            h ^= h >> 29;
+            for (size_t slot = h & (cap - 1);; slot = (slot + 1) & (cap - 1)) {
+                const srow *q;
+                const char *qb;
+                if (ht[slot] == 0) {
+                    ht[slot] = (uint32_t)p + 1;
+                    break;
+                }
+                q = entry_row(b, k, ht[slot] - 1, &qtmp, qdims, &qv);
+                qb = srow_fqn(b, q, &ol);
+                if (ol == fl_len && memcmp(qb, fb, ol) == 0 &&
+                    q->kndim == r->kndim &&
+                    (kn == 0 || memcmp(qv, dv, (size_t)kn * sizeof *dv) == 0))
+                    goto fail; /* a key twice: the reference decides */
+            }
+            id = r->flags & SD_FQN_FRESH
+                     ? str_id_data(b, &s, r->fqn, r->fqn_len)
+                     : str_id(b, &s, r->fqn, &fresh);
+            if (id < 0)
+                goto fail;
+            fid[p] = (int32_t)id;
+            id = r->flags & SD_PATH_FRESH
+                     ? str_id_data(b, &s, r->path, r->path_len)
+                     : str_id(b, &s, r->path, &fresh);
+            if (id < 0)
+                goto fail;
+            pid[p] = (int32_t)id;
+            flags[p] = r->flags;
+            nd[p] = r->kndim;
+            memcpy(ko + at, dv, (size_t)kn * sizeof *dv);
+            at += (size_t)kn;
+            kidx[p] = r->flags & SD_IDX_NONE ? 0 : r->kidx;
+            ioff[p] = r->off;
+            ilen[p] = r->len;
+            crc[p] =
+                r->flags & SD_HAS_CRC && !(r->flags & SD_CRC_NONE) ? r->crc : 0;
+        }
+    }
+    korder[0] = fqn_first != 0 ? F_FQN : F_INDEX;
+    korder[1] = fqn_first != 0 ? F_INDEX : F_FQN;
+    korder[2] = F_OFFSET;
+    for (int j = 2; offpos >= 0 && j > offpos; j--) {
+        korder[j] = korder[j - 1];
+        korder[j - 1] = F_OFFSET;
+    }
+    order = PyTuple_Pack(3, b->names[korder[0]], b->names[korder[1]],
+                         b->names[korder[2]]);
+    if (order == NULL)
+        goto fail;
+    *out = PyObject_CallFunction(b->make_storage, "OOOOOOOOOOO", order, s.strs,
+                                 arr[0], arr[1], arr[2], arr[3], arr[4], arr[5],
+                                 arr[6], arr[7], arr[8]);
+    rc = *out != NULL ? 0 : -1;
+    goto out;
+fail:
+    rc = -1;
+out:
+    for (int j = 0; j < 9; j++)
+        Py_XDECREF(arr[j]);
+    Py_XDECREF(order);
+    Py_XDECREF(s.strs);
+    Py_XDECREF(s.fresh);
+    PyMem_Free(s.slotid);
+    PyMem_Free(ht);
+    return rc;
+}
+
 static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
 {
     const uint32_t *k = kids(b, d);
@@ -559,6 +846,8 @@ static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
     *out = NULL;
     if (d->kind != SS_MD_DICT || d->share)
         return 0;
+    if (b->fold != NULL)
+        return lazy_storage_rows(b, d, out);
     /* pass 1: the forms (no object made) */
     for (size_t p = 0; p < n; p++) {
         const ss_md_node *key = N(b, k[2 * p]), *val = N(b, k[2 * p + 1]);
@@ -754,6 +1043,8 @@ static PyObject *build_metadata(bld *b, const fields *f)
         if (!ok)
             goto fail;
     }
+    if (b->fold != NULL && b->fold->nrows && b->rows_used == b->fold->nrows)
+        fold_drop_chunks(b->fold);
     if (b->lazy && b->make_storage != NULL && f->has[F_STORAGE] &&
         lazy_storage(b, N(b, f->node[F_STORAGE]), &vals[F_STORAGE]) < 0)
         goto fail;
@@ -792,6 +1083,20 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
         const uint32_t *off, *len;
         uint32_t n1, n2;
         fields f;
+        if (is_row(b, ck[c])) {
+            size_t r = ck[c] & ~SS_MD_ROW_BIT;
+            const int64_t *v = b->fold->vals + b->fold->roff[r];
+            if (b->fold->nd[r] != nd)
+                return -1;
+            for (uint32_t k = 0; k < nd; k++) {
+                int64_t o = v[k], n = v[nd + k], s = ival(N(b, size[k]));
+                if (o < 0 || n < 0 ||
+                    (n != 0 &&
+                     (s < 0 || (uint64_t)o + (uint64_t)n > (uint64_t)s)))
+                    return -1;
+            }
+            continue;
+        }
         if (read_state(b, cn->c, CLS_CHUNK, &f) < 0 || !f.has[F_OFFSETS] ||
             !f.has[F_SIZES] || size_dims(b, f.node[F_OFFSETS], &off, &n1) < 0 ||
             size_dims(b, f.node[F_SIZES], &len, &n2) < 0 || n1 != nd ||
@@ -823,6 +1128,8 @@ static int lazy_ok(bld *b, const ss_md_node *list)
     for (uint32_t c = 0; c < list->b; c++) {
         const ss_md_node *cn = N(b, ck[c]);
         fields f;
+        if (is_row(b, ck[c]))
+            continue; /* folded: nothing of it shared */
         if (cn->share || read_state(b, cn->c, CLS_CHUNK, &f) < 0 || f.n != 2 ||
             f.order[0] != F_OFFSETS || N(b, f.node[F_OFFSETS])->share ||
             N(b, f.node[F_SIZES])->share)
@@ -847,6 +1154,14 @@ static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
             const uint32_t *d1, *d2;
             uint32_t n1, n2;
             fields f;
+            if (is_row(b, ck[c])) {
+                size_t r = ck[c] & ~SS_MD_ROW_BIT;
+                const int64_t *v = b->fold->vals + b->fold->roff[r];
+                memcpy(po + (size_t)c * nd, v, nd * sizeof *v);
+                memcpy(pl + (size_t)c * nd, v + nd, nd * sizeof *v);
+                b->rows_used++;
+                continue;
+            }
             /* lazy_ok and chunks_inside checked every one of these */
             (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
             (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
@@ -874,7 +1189,8 @@ static PyObject *build_tensor(bld *b, const fields *f)
         size_dims(b, f->node[F_SIZE], &size, &nd) < 0)
         return NULL;
     for (uint32_t c = 0; c < chunks->b; c++)
-        if (obj_class(b, kids(b, chunks)[c]) != CLS_CHUNK)
+        if (!is_row(b, kids(b, chunks)[c]) &&
+            obj_class(b, kids(b, chunks)[c]) != CLS_CHUNK)
             return NULL;
     if (chunks_inside(b, chunks, size, nd) < 0)
         return NULL;
@@ -1059,6 +1375,74 @@ static PyObject *build_class(bld *b, int cls, const ss_md_node *n)
     }
 }
 
+/* A folded string: a fresh one's (offset, length) in the data, or its
+ * node (shared: one object per share slot, as value() makes it). */
+static PyObject *srow_str(bld *b, int fresh, uint32_t at, uint32_t len)
+{
+    if (!fresh)
+        return value(b, at);
+    return PyUnicode_DecodeUTF8(b->data + at, (Py_ssize_t)len, "surrogatepass");
+}
+
+/* The MetadataIndex of a folded entry, as build_index makes it. */
+static PyObject *index_row(bld *b, const srow *r)
+{
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = srow_kn(r);
+    for (int j = 0; j < f.n; j++) {
+        int id = srow_kord(r, j);
+        f.order[j] = (int8_t)id;
+        f.has[id] = 1;
+        if (id == F_FQN)
+            vals[id] = srow_str(b, r->flags & SD_FQN_FRESH, r->fqn, r->fqn_len);
+        else if (id == F_INDEX)
+            vals[id] = r->flags & SD_IDX_NONE ? Py_NewRef(Py_None)
+                                              : PyLong_FromLongLong(r->kidx);
+        else
+            vals[id] = r->kndim < 0 ? Py_NewRef(Py_None)
+                                    : size_from(b, b->fold->svals + r->koff,
+                                                (uint32_t)r->kndim);
+        if (vals[id] == NULL) {
+            for (int x = 0; x < NFIELDS; x++)
+                Py_CLEAR(vals[x]);
+            return NULL;
+        }
+    }
+    return make(b, CLS_INDEX, &f, vals);
+}
+
+/* The _StorageInfo of a folded entry, as build_storage_info makes it. */
+static PyObject *info_row(bld *b, const srow *r)
+{
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = r->flags & SD_HAS_CRC ? 4 : 3;
+    f.order[0] = F_RELPATH;
+    f.order[1] = F_OFFSET;
+    f.order[2] = F_LENGTH;
+    f.order[3] = F_CRC;
+    vals[F_RELPATH] =
+        srow_str(b, r->flags & SD_PATH_FRESH, r->path, r->path_len);
+    vals[F_OFFSET] = PyLong_FromLongLong(r->off);
+    vals[F_LENGTH] = PyLong_FromLongLong(r->len);
+    if (f.n == 4)
+        vals[F_CRC] = r->flags & SD_CRC_NONE
+                          ? Py_NewRef(Py_None)
+                          : PyLong_FromLongLong((int64_t)r->crc);
+    for (int j = 0; j < f.n; j++) {
+        f.has[f.order[j]] = 1;
+        if (vals[f.order[j]] == NULL) {
+            for (int x = 0; x < NFIELDS; x++)
+                Py_CLEAR(vals[x]);
+            return NULL;
+        }
+    }
+    return make(b, CLS_STORAGE_INFO, &f, vals);
+}
+
 static PyObject *container(bld *b, const ss_md_node *n)
 {
     const uint32_t *k = kids(b, n);
@@ -1079,8 +1463,14 @@ static PyObject *container(bld *b, const ss_md_node *n)
     out = PyDict_New();
     for (uint32_t p = 0; out != NULL && p < n->b; p++) {
         Py_ssize_t before = PyDict_GET_SIZE(out);
-        key = value(b, k[2 * p]);
-        v = key ? value(b, k[2 * p + 1]) : NULL;
+        int64_t sr = srow_of(b, k[2 * p]);
+        if (sr >= 0 && srow_of(b, k[2 * p + 1]) == sr) {
+            key = index_row(b, &b->fold->srows[sr]);
+            v = key ? info_row(b, &b->fold->srows[sr]) : NULL;
+        } else {
+            key = value(b, k[2 * p]);
+            v = key ? value(b, k[2 * p + 1]) : NULL;
+        }
         /* a key met twice: the reference merges the unbuilt keys first */
         if (v == NULL || PyDict_SetItem(out, key, v) < 0 ||
             PyDict_GET_SIZE(out) == before)
@@ -1148,6 +1538,8 @@ static PyObject *value(bld *b, uint32_t i)
     const ss_md_node *n = N(b, i);
     PyObject *out;
     uint32_t s = n->share;
+    if (is_row(b, i))
+        return chunk_row(b, i & ~SS_MD_ROW_BIT);
     /* scalars need no cache; a GLOBAL's slot holds its context entry */
     if (n->kind <= SS_MD_FLOAT || n->kind == SS_MD_GLOBAL)
         return value_(b, i);
@@ -1197,6 +1589,427 @@ static void mark_keys(bld *b)
         }
     }
     memset(seen, 0, (size_t)b->r->shared + 1);
+    for (int k = 0; b->fold != NULL && k < b->fold->nkeys; k++) {
+        const ss_md_node *key = N(b, b->fold->keys[k]);
+        if (key->kind == SS_MD_STR && key->share)
+            b->keyof[key->share] = (uint8_t)(b->fold->keyf[k] + 1);
+    }
+}
+
+/* torch.Size(values) as size_obj makes it. */
+static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd)
+{
+    PyTypeObject *tp = (PyTypeObject *)b->size_type;
+    PyObject *t =
+        b->size_type == Py_None ? PyTuple_New(nd) : tp->tp_alloc(tp, nd);
+    for (uint32_t k = 0; t != NULL && k < nd; k++) {
+        PyObject *x = PyLong_FromLongLong(v[k]);
+        if (x == NULL)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, k, x);
+    }
+    return t;
+}
+
+/* The ChunkStorageMetadata of row r, as build_chunk makes the chunk the
+ * row was folded from (fold_chunk admits only that form). */
+static PyObject *chunk_row(bld *b, uint32_t r)
+{
+    const mdfold *fo = b->fold;
+    const int64_t *v = fo->vals + fo->roff[r];
+    b->rows_used++;
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = 2;
+    f.order[0] = F_OFFSETS;
+    f.order[1] = F_SIZES;
+    f.has[F_OFFSETS] = f.has[F_SIZES] = 1;
+    vals[F_OFFSETS] = size_from(b, v, fo->nd[r]);
+    vals[F_SIZES] =
+        vals[F_OFFSETS] ? size_from(b, v + fo->nd[r], fo->nd[r]) : NULL;
+    if (vals[F_SIZES] == NULL) {
+        Py_XDECREF(vals[F_OFFSETS]);
+        return NULL;
+    }
+    return make(b, CLS_CHUNK, &f, vals);
+}
+
+/* The code (CLS_CHUNK, G_SIZE) of GLOBAL node i in t; -1: another. */
+static int fold_global(const mdfold *f, const ss_md_result *t, uint32_t i)
+{
+    const ss_md_node *g, *m, *n;
+    if (i >= t->nnodes || (g = &t->nodes[i])->kind != SS_MD_GLOBAL)
+        return -1;
+    m = &t->nodes[g->a];
+    n = &t->nodes[g->b];
+    for (int k = 0; k < f->nnames; k++) {
+        const fold_name *x = &f->names[k];
+        if (m->b == x->lmod && n->b == x->lname &&
+            memcmp(f->data + m->a, x->mod, (size_t)x->lmod) == 0 &&
+            memcmp(f->data + n->a, x->name, (size_t)x->lname) == 0)
+            return x->code;
+    }
+    return -1;
+}
+
+static int fold_str_is(const mdfold *f, const ss_md_node *n, const char *s)
+{
+    size_t len = strlen(s);
+    return n->kind == SS_MD_STR && n->b == len &&
+           memcmp(f->data + n->a, s, len) == 0;
+}
+
+/* A torch.Size REDUCE node i of ints, unshared, without BUILD: its dims
+ * into out (if not NULL); -1 otherwise. */
+static int fold_size(const mdfold *f, const ss_md_result *t, uint32_t i,
+                     int64_t *out)
+{
+    const ss_md_node *n, *args, *d;
+    if (i >= t->nnodes || (n = &t->nodes[i])->kind != SS_MD_REDUCE ||
+        n->share || n->c || fold_global(f, t, n->a) != G_SIZE)
+        return -1;
+    args = &t->nodes[n->b];
+    if (args->b == 0)
+        return 0;
+    if (args->b != 1 || t->kids[args->a] >= t->nnodes)
+        return -1;
+    d = &t->nodes[t->kids[args->a]];
+    if (d->kind != SS_MD_TUPLE || d->b > FOLD_NDIM_MAX)
+        return -1;
+    for (uint32_t k = 0; k < d->b; k++) {
+        uint32_t x = t->kids[d->a + k];
+        if (x >= t->nnodes || t->nodes[x].kind != SS_MD_INT)
+            return -1;
+        if (out != NULL)
+            out[k] = ival(&t->nodes[x]);
+    }
+    return (int)d->b;
+}
+
+/* A ChunkStorageMetadata NEWOBJ node i in the form chunk_row makes: its
+ * ndim, the row written at out (if not NULL); -1 otherwise. */
+static int fold_chunk(mdfold *f, const ss_md_result *t, uint32_t i,
+                      int64_t *out)
+{
+    const ss_md_node *n, *st;
+    const uint32_t *kv;
+    int n1, n2;
+    if (i >= t->nnodes || (n = &t->nodes[i])->kind != SS_MD_NEWOBJ ||
+        n->share || n->c == 0 || t->nodes[n->b].b != 0 ||
+        fold_global(f, t, n->a) != CLS_CHUNK)
+        return -1;
+    st = &t->nodes[n->c - 1];
+    if (st->kind != SS_MD_DICT || st->share || st->c != SS_MD_ONE_RUN ||
+        st->b != 2)
+        return -1;
+    kv = t->kids + st->a;
+    for (int j = 0; j < 4; j++)
+        if (kv[j] >= t->nnodes)
+            return -1;
+    if (!fold_str_is(f, &t->nodes[kv[0]], "offsets") ||
+        !fold_str_is(f, &t->nodes[kv[2]], "sizes"))
+        return -1;
+    n1 = fold_size(f, t, kv[1], out);
+    n2 = n1 < 0 ? -1 : fold_size(f, t, kv[3], out ? out + n1 : NULL);
+    if (n1 < 0 || n2 != n1)
+        return -1;
+    for (int j = 0; out != NULL && j < 4; j += 2) {
+        int k = 0;
+        if (t->nodes[kv[j]].share == 0)
+            continue;
+        while (k < f->nkeys && f->keys[k] != kv[j])
+            k++;
+        if (k == f->nkeys) {
+            f->keys[f->nkeys] = kv[j];
+            f->keyf[f->nkeys++] = (int8_t)(j ? F_SIZES : F_OFFSETS);
+        }
+    }
+    return n1;
+}
+
+/* Records shared string node k, a state key naming field id (mark_keys). */
+static void fold_key(mdfold *f, const ss_md_result *t, uint32_t k, int id)
+{
+    int j = 0;
+    if (t->nodes[k].share == 0)
+        return;
+    while (j < f->nkeys && f->keys[j] != k)
+        j++;
+    if (j == f->nkeys && f->nkeys < FOLD_KEYS_MAX) {
+        f->keys[f->nkeys] = k;
+        f->keyf[f->nkeys++] = (int8_t)id;
+    }
+}
+
+/* The one-batch, unshared state dict of NEWOBJ node n of class cls with
+ * 2..4 pairs: its kids; NULL otherwise. */
+static const uint32_t *fold_state(const mdfold *f, const ss_md_result *t,
+                                  uint32_t i, int cls, uint32_t *pairs)
+{
+    const ss_md_node *n, *st;
+    const uint32_t *kv;
+    if (i >= t->nnodes || (n = &t->nodes[i])->kind != SS_MD_NEWOBJ ||
+        n->share || n->c == 0 || t->nodes[n->b].b != 0 ||
+        fold_global(f, t, n->a) != cls)
+        return NULL;
+    st = &t->nodes[n->c - 1];
+    /* c: one batch while decoding, 0 once flattened (or empty) */
+    if (st->kind != SS_MD_DICT || st->share ||
+        (st->c != SS_MD_ONE_RUN && st->c != 0) || st->b < 2 || st->b > 4)
+        return NULL;
+    kv = t->kids + st->a;
+    for (uint32_t j = 0; j < 2 * st->b; j++)
+        if (kv[j] >= t->nnodes)
+            return NULL;
+    *pairs = st->b;
+    return kv;
+}
+
+static int fold_int(const ss_md_node *n, int64_t lo, int64_t hi, int64_t *v)
+{
+    if (n->kind != SS_MD_INT || ival(n) < lo || ival(n) > hi)
+        return -1;
+    *v = ival(n);
+    return 0;
+}
+
+/* A storage entry (key node ki, value node vi) in the form lazy_storage
+ * admits, into *r (its key offset's dims at dims, if not NULL): 0, or -1
+ * (not this form; nothing recorded). */
+static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
+                      uint32_t vi, srow *r, int64_t *dims, int record)
+{
+    static const int info[4] = {F_RELPATH, F_OFFSET, F_LENGTH, F_CRC};
+    static const char *const info_name[4] = {"relative_path", "offset",
+                                             "length", "shardstate_crc32"};
+    const uint32_t *kv = NULL, *iv = NULL;
+    uint32_t kp = 0, ip = 0;
+    int seen = 0;
+    int64_t crc = 0;
+    const ss_md_node *x;
+    memset(r, 0, sizeof *r);
+    r->kndim = -1;
+    r->flags = SD_OFF_ABSENT;
+    if ((kv = fold_state(f, t, ki, CLS_INDEX, &kp)) == NULL || kp > 3 ||
+        (iv = fold_state(f, t, vi, CLS_STORAGE_INFO, &ip)) == NULL || ip < 3)
+        return -1;
+    for (uint32_t p = 0; p < kp; p++) {
+        const ss_md_node *key = &t->nodes[kv[2 * p]];
+        int id = fold_str_is(f, key, "fqn")      ? F_FQN
+                 : fold_str_is(f, key, "index")  ? F_INDEX
+                 : fold_str_is(f, key, "offset") ? F_OFFSET
+                                                 : -1;
+        int bit = id == F_FQN ? 1 : id == F_INDEX ? 2 : 4;
+        if (id < 0 || (seen & bit))
+            return -1;
+        seen |= bit;
+        r->kord |= (uint8_t)((id == F_FQN     ? 0
+                              : id == F_INDEX ? 1
+                                              : 2)
+                             << (2 * p));
+        x = &t->nodes[kv[2 * p + 1]];
+        if (id == F_FQN) {
+            if (x->kind != SS_MD_STR)
+                return -1;
+            r->flags |= x->share ? 0 : SD_FQN_FRESH;
+            r->fqn = x->share ? kv[2 * p + 1] : x->a;
+            if (x->b > UINT16_MAX)
+                return -1;
+            r->fqn_len = (uint16_t)x->b;
+        } else if (id == F_INDEX) {
+            if (x->kind == SS_MD_NONE)
+                r->flags |= SD_IDX_NONE;
+            else if (fold_int(x, INT64_MIN, INT64_MAX, &r->kidx) < 0)
+                return -1;
+        } else {
+            r->flags &= (uint8_t)~SD_OFF_ABSENT;
+            if (x->kind != SS_MD_NONE &&
+                (r->kndim = (int8_t)fold_size(f, t, kv[2 * p + 1], dims)) < 0)
+                return -1;
+        }
+    }
+    if (seen != 3 && seen != 7)
+        return -1;
+    for (uint32_t p = 0; p < ip; p++) {
+        x = &t->nodes[iv[2 * p + 1]];
+        if (!fold_str_is(f, &t->nodes[iv[2 * p]], info_name[p]))
+            return -1;
+        if (info[p] == F_RELPATH) {
+            if (x->kind != SS_MD_STR)
+                return -1;
+            r->flags |= x->share ? 0 : SD_PATH_FRESH;
+            r->path = x->share ? iv[2 * p + 1] : x->a;
+            if (x->b > UINT16_MAX)
+                return -1;
+            r->path_len = (uint16_t)x->b;
+        } else if (info[p] == F_CRC) {
+            r->flags |= SD_HAS_CRC;
+            if (x->kind == SS_MD_NONE)
+                r->flags |= SD_CRC_NONE;
+            else if (fold_int(x, 0, (int64_t)UINT32_MAX, &crc) < 0)
+                return -1;
+            r->crc = (uint32_t)crc;
+        } else if (fold_int(x, 0, INT64_MAX,
+                            info[p] == F_OFFSET ? &r->off : &r->len) < 0) {
+            return -1;
+        }
+    }
+    if (record) { /* the second pass: record the shared key names */
+        for (uint32_t p = 0; p < kp; p++)
+            fold_key(f, t, kv[2 * p], srow_kord(r, (int)p));
+        for (uint32_t p = 0; p < ip; p++)
+            fold_key(f, t, iv[2 * p], info[p]);
+    }
+    return 0;
+}
+
+static int fold_grow(void **a, size_t *cap, size_t need, size_t elem)
+{
+    size_t n = *cap ? *cap : 1024;
+    void *p;
+    if (need <= *cap)
+        return 0;
+    while (n < need)
+        n *= 2;
+    if (n > PY_SSIZE_T_MAX / elem ||
+        (p = PyMem_RawRealloc(*a, n * elem)) == NULL)
+        return -1;
+    *a = p;
+    *cap = n;
+    return 0;
+}
+
+/* ss_md_fold's batch: a list's batch of chunks in chunk_row's form (all of
+ * them, or none) as rows. */
+static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
+                      const uint32_t *items, size_t n, uint32_t *row0)
+{
+    mdfold *f = ctx;
+    size_t need = 0, rcap = f->rcap;
+    int keys = 0;
+    if (t->nodes[ci].kind == SS_MD_DICT) {
+        srow r;
+        int64_t dims[FOLD_NDIM_MAX];
+        if (f->nkeys + 8 > FOLD_KEYS_MAX ||
+            f->nsrows + n / 2 >= SS_MD_ROW_BIT - FOLD_SROW0)
+            return 0;
+        for (size_t k = 0; k < n; k += 2) {
+            if (fold_entry(f, t, items[k], items[k + 1], &r, NULL, 0) < 0)
+                return 0;
+            need += r.kndim > 0 ? (size_t)r.kndim : 0;
+        }
+        if (f->nsvals + need > UINT32_MAX) /* srow.koff */
+            return 0;
+        if (fold_grow((void **)&f->svals, &f->svcap, f->nsvals + need,
+                      sizeof *f->svals) < 0 ||
+            fold_grow((void **)&f->srows, &f->scap, f->nsrows + n / 2,
+                      sizeof *f->srows) < 0)
+            return SS_ENOMEM;
+        *row0 = FOLD_SROW0 + (uint32_t)f->nsrows;
+        for (size_t k = 0; k < n; k += 2) {
+            srow *w = &f->srows[f->nsrows++];
+            (void)fold_entry(f, t, items[k], items[k + 1], w, dims, 1);
+            w->koff = (uint32_t)f->nsvals;
+            for (int j = 0; j < w->kndim; j++)
+                f->svals[f->nsvals++] = dims[j];
+        }
+        return 1;
+    }
+    if (t->nodes[ci].kind != SS_MD_LIST)
+        return 0;
+    for (size_t k = 0; k < n; k++) {
+        int nd = fold_chunk(f, t, items[k], NULL);
+        if (nd < 0)
+            return 0;
+        need += 2 * (size_t)nd;
+    }
+    /* room for the keys it may record: at most two new a batch */
+    for (int k = 0; k < 2; k++)
+        keys += f->nkeys + k < FOLD_KEYS_MAX;
+    if (keys < 2 || f->nrows + n >= FOLD_SROW0)
+        return 0;
+    if (fold_grow((void **)&f->vals, &f->vcap, f->nvals + need,
+                  sizeof *f->vals) < 0 ||
+        fold_grow((void **)&f->roff, &rcap, f->nrows + n, sizeof *f->roff) <
+            0 ||
+        fold_grow((void **)&f->nd, &f->rcap, f->nrows + n, sizeof *f->nd) < 0)
+        return SS_ENOMEM;
+    *row0 = (uint32_t)f->nrows;
+    for (size_t k = 0; k < n; k++) {
+        int nd = fold_chunk(f, t, items[k], f->vals + f->nvals);
+        f->roff[f->nrows] = f->nvals;
+        f->nd[f->nrows++] = (uint8_t)nd;
+        f->nvals += 2 * (size_t)nd;
+    }
+    return 1;
+}
+
+/* The context's names of ChunkStorageMetadata and torch.Size, for
+ * fold_batch (which must not touch Python objects); 0: none (no fold). */
+static int fold_prepare(mdfold *f, PyObject *ctx, const char *data)
+{
+    PyObject *g, *k, *v;
+    Py_ssize_t pos = 0;
+    int has_chunk = 0, has_size = 0;
+    memset(f, 0, sizeof *f);
+    f->data = data;
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 2 ||
+        !PyDict_Check(g = PyTuple_GET_ITEM(ctx, 1)))
+        return 0;
+    while (PyDict_Next(g, &pos, &k, &v)) {
+        long code;
+        fold_name *x = &f->names[f->nnames];
+        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2 ||
+            !PyLong_Check(PyTuple_GET_ITEM(v, 0)) || !PyTuple_Check(k) ||
+            PyTuple_GET_SIZE(k) != 2 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(k, 0)) ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(k, 1)))
+            continue;
+        code = PyLong_AsLong(PyTuple_GET_ITEM(v, 0));
+        if ((code != CLS_CHUNK && code != G_SIZE && code != CLS_INDEX &&
+             code != CLS_STORAGE_INFO) ||
+            f->nnames == 12)
+            continue;
+        x->mod = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(k, 0), &x->lmod);
+        x->name =
+            x->mod ? PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(k, 1), &x->lname)
+                   : NULL;
+        if (x->name == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        x->code = (int)code;
+        has_chunk |= code == CLS_CHUNK;
+        has_size |= code == G_SIZE;
+        f->nnames++;
+    }
+    PyErr_Clear();
+    return has_chunk && has_size;
+}
+
+static void fold_free(mdfold *f)
+{
+    PyMem_RawFree(f->vals);
+    PyMem_RawFree(f->roff);
+    PyMem_RawFree(f->nd);
+    PyMem_RawFree(f->srows);
+    PyMem_RawFree(f->svals);
+}
+
+/* The chunk rows, once every one was made into its list: the storage
+ * build that follows is a read's peak. Row ids left anywhere read "not
+ * ours" from then on (is_row). */
+static void fold_drop_chunks(mdfold *f)
+{
+    PyMem_RawFree(f->vals);
+    PyMem_RawFree(f->roff);
+    PyMem_RawFree(f->nd);
+    f->vals = NULL;
+    f->roff = NULL;
+    f->nd = NULL;
+    f->nvals = f->vcap = f->nrows = f->rcap = 0;
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -1249,12 +2062,15 @@ bad:
     return -1;
 }
 
-static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx)
+static PyObject *build(const ss_md_result *r, const char *data, PyObject *ctx,
+                       mdfold *fold)
 {
     bld b;
     PyObject *out = NULL;
     memset(&b, 0, sizeof b);
     b.r = r;
+    b.fold = fold;
+    b.no_node.kind = 0xff;
     b.data = data;
     if (unpack_ctx(&b, ctx) < 0)
         return NULL;
@@ -1297,6 +2113,9 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     ss_errinfo err;
     Py_buffer view;
     PyObject *out;
+    mdfold fold;
+    ss_md_fold hook = {fold_batch, &fold};
+    const ss_md_fold *use;
     int rc;
 
     (void)m;
@@ -1308,21 +2127,24 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     ss_errinfo_clear(&err);
+    use = fold_prepare(&fold, args[1], view.buf) ? &hook : NULL;
     /* The view keeps the buffer mapped and its size fixed while the GIL is
      * released; a writable one (a bytearray) could still change under the
      * decoder, so it is decoded with the GIL held. */
     if (view.len >= MD_NOGIL_MIN && view.readonly) {
         Py_BEGIN_ALLOW_THREADS
-            rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+            rc = ss_mdread_decode_fold(view.buf, (size_t)view.len, use, &r,
+                                       &err);
         Py_END_ALLOW_THREADS
     } else {
-        rc = ss_mdread_decode(view.buf, (size_t)view.len, &r, &err);
+        rc = ss_mdread_decode_fold(view.buf, (size_t)view.len, use, &r, &err);
     }
     if (rc < 0)
         out = Py_NewRef(Py_None); /* not decoded: the reference decides */
     else
-        out = build(ss_mdread_result(r), view.buf, args[1]);
+        out = build(ss_mdread_result(r), view.buf, args[1], use ? &fold : NULL);
     ss_mdread_free(r);
+    fold_free(&fold);
     PyBuffer_Release(&view);
     return out;
 }

@@ -318,6 +318,236 @@ static void test_many_items(void)
     free(s);
 }
 
+static void test_batches_after_a_run(void)
+{
+    /* ([1, 2, 3, 4], {5: 6, 7: 8, 9: 10}, [11, 12], {13: 14}, []): the first
+     * two filled by APPEND / SETITEM, then batches (a run, then segments),
+     * the next two in one batch each, the last never */
+    static const char p[] = "\x80\x04(]K\x01"
+                            "a(K\x02K\x03"
+                            "eK\x04"
+                            "a"
+                            "}K\x05K\x06s(K\x07K\x08K\x09K\x0a"
+                            "u"
+                            "](K\x0bK\x0c"
+                            "e}K\x0dK\x0es]t.";
+    static const int want[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(S(p), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *t = node(res, res->root);
+    static const uint32_t count[] = {4, 3, 2, 1, 0},
+                          kinds[] = {SS_MD_LIST, SS_MD_DICT, SS_MD_LIST,
+                                     SS_MD_DICT, SS_MD_LIST};
+    int w = 0;
+    CHECK_EQ_INT(t->kind, SS_MD_TUPLE);
+    CHECK_EQ_INT(t->b, 5);
+    for (uint32_t j = 0; j < 5 && t->b == 5; j++) {
+        const ss_md_node *c = node(res, res->kids[t->a + j]);
+        uint32_t nk = c->kind == SS_MD_DICT ? 2 * c->b : c->b;
+        CHECK_EQ_INT(c->kind, (int)kinds[j]);
+        CHECK_EQ_INT(c->b, (int)count[j]);
+        CHECK(c->a + nk <= res->nkids);
+        for (uint32_t k = 0; k < nk && w < 14; k++)
+            CHECK_EQ_INT(ival(node(res, res->kids[c->a + k])), want[w++]);
+    }
+    CHECK_EQ_INT(w, 14);
+    ss_mdread_free(r);
+    free(buf);
+}
+
+static void test_memo_fetched_only(void)
+{
+    /* ((s0, ..., s199), (s0, s63, s64, s127, s199, z, z)): 200 memoized
+     * strings, GETs across the prescan's 64-index words, and index 5 put
+     * again (z) before the GET that names it */
+    char s[3 + 200 * 4 + 15 + 11], *p = s;
+    memcpy(p, "\x80\x04(", 3);
+    p += 3;
+    for (int k = 0; k < 200; k++) {
+        *p++ = '\x8c';
+        *p++ = 1;
+        *p++ = (char)k;
+        *p++ = '\x94';
+    }
+    memcpy(p, "t(h\x00h\x3fh\x40h\x7fj\xc7\x00\x00\x00", 15);
+    p += 15;
+    memcpy(p, "\x8c\x01Zq\x05h\x05t\x86.", 11);
+    p += 11;
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(s, (size_t)(p - s), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *root = node(res, res->root), *t, *u;
+    static const int got[] = {0, 63, 64, 127, 199};
+    CHECK_EQ_INT(root->kind, SS_MD_TUPLE);
+    t = node(res, res->kids[root->a]);
+    u = node(res, res->kids[root->a + 1]);
+    CHECK_EQ_INT(t->b, 200);
+    CHECK_EQ_INT(u->b, 7);
+    if (t->b == 200 && u->b == 7) {
+        for (int j = 0; j < 5; j++) {
+            CHECK_EQ_INT(res->kids[u->a + j], res->kids[t->a + got[j]]);
+            CHECK(node(res, res->kids[u->a + j])->share != 0);
+        }
+        CHECK_EQ_INT(res->kids[u->a + 5], res->kids[u->a + 6]);
+        CHECK(buf[node(res, res->kids[u->a + 6])->a] == 'Z');
+        CHECK_EQ_INT(node(res, res->kids[t->a + 5])->share, 0);
+        CHECK_EQ_INT(node(res, res->kids[t->a + 1])->share, 0);
+    }
+    CHECK_EQ_INT(res->shared, 6);
+    ss_mdread_free(r);
+    free(buf);
+}
+
+/* A fold hook: takes list batches of (int, int) tuples as rows of pairs;
+ * with all set, takes any batch (rows of nothing). */
+typedef struct rows {
+    int64_t v[2 * 4096];
+    uint32_t n;
+    int all;
+    int calls;
+} rows;
+
+static int take_pairs(void *ctx, const ss_md_result *t, uint32_t ci,
+                      const uint32_t *items, size_t n, uint32_t *row0)
+{
+    rows *r = ctx;
+    r->calls++;
+    if (r->all) {
+        *row0 = r->n;
+        r->n += (uint32_t)(t->nodes[ci].kind == SS_MD_DICT ? n / 2 : n);
+        return 1;
+    }
+    if (t->nodes[ci].kind != SS_MD_LIST || r->n + n > 4096)
+        return 0;
+    for (size_t k = 0; k < n; k++) {
+        const ss_md_node *x = &t->nodes[items[k]];
+        if (items[k] & SS_MD_ROW_BIT || x->kind != SS_MD_TUPLE || x->b != 2)
+            return 0;
+        for (int j = 0; j < 2; j++)
+            if (t->nodes[t->kids[x->a + j]].kind != SS_MD_INT)
+                return 0;
+    }
+    *row0 = r->n;
+    for (size_t k = 0; k < n; k++) {
+        const ss_md_node *x = &t->nodes[items[k]];
+        for (int j = 0; j < 2; j++)
+            r->v[2 * r->n + j] = ival(&t->nodes[t->kids[x->a + j]]);
+        r->n++;
+    }
+    return 1;
+}
+
+static int dec_fold(const char *s, size_t n, rows *rw, ss_mdread **r,
+                    char **keep)
+{
+    ss_md_fold f = {take_pairs, rw};
+    *keep = malloc(n);
+    memcpy(*keep, s, n);
+    return ss_mdread_decode_fold(*keep, n, &f, r, NULL);
+}
+
+static void test_fold_rows(void)
+{
+    /* ([(i, i + 300) for i in range(2500)], (300, 301)): three APPENDS
+     * batches, each tuple memoized and never fetched: all folded, the
+     * nodes dropped (the int cache's too: 300 and 301 come again) */
+    char *s = malloc(3 + 2500 * 8 + 6 + 10), *p = s;
+    rows rw = {0};
+    memcpy(p, "\x80\x04]", 3);
+    p += 3;
+    for (int i = 0; i < 2500; i++) {
+        if (i % 1000 == 0)
+            *p++ = '(';
+        *p++ = 'M';
+        *p++ = (char)(i & 0xff);
+        *p++ = (char)(i >> 8);
+        *p++ = 'M';
+        *p++ = (char)((i + 300) & 0xff);
+        *p++ = (char)((i + 300) >> 8);
+        *p++ = '\x86';
+        *p++ = '\x94';
+        if (i % 1000 == 999 || i == 2499)
+            *p++ = 'e';
+    }
+    memcpy(p, "M\x2c\x01M\x2d\x01\x86\x86.", 10);
+    p += 10;
+    ss_mdread *r;
+    char *keep;
+    CHECK_EQ_INT(dec_fold(s, (size_t)(p - s), &rw, &r, &keep), 0);
+    if (r != NULL) {
+        const ss_md_result *res = ss_mdread_result(r);
+        const ss_md_node *root = node(res, res->root), *l, *t;
+        l = node(res, res->kids[root->a]);
+        t = node(res, res->kids[root->a + 1]);
+        CHECK_EQ_INT(rw.calls, 3);
+        CHECK_EQ_INT(rw.n, 2500);
+        CHECK(res->nnodes < 300); /* the fixed ones and a few */
+        CHECK_EQ_INT(l->b, 2500);
+        for (uint32_t i = 0; i < 2500 && l->b == 2500; i++) {
+            uint32_t k = res->kids[l->a + i];
+            CHECK(k == (i | SS_MD_ROW_BIT));
+            CHECK(rw.v[2 * i] == i && rw.v[2 * i + 1] == i + 300);
+        }
+        CHECK_EQ_INT(t->kind, SS_MD_TUPLE);
+        CHECK_EQ_INT(ival(node(res, res->kids[t->a])), 300);
+        CHECK_EQ_INT(ival(node(res, res->kids[t->a + 1])), 301);
+        ss_mdread_free(r);
+    }
+    free(keep);
+    free(s);
+}
+
+static void test_fold_refused(void)
+{
+    /* a batch whose tuple is fetched later: kept */
+    static const char pinned[] = "\x80\x04](K\x01K\x02\x86\x94"
+                                 "eh\x00\x86.";
+    /* a batch whose item is an older object given a newer state (BUILD):
+     * kept (the state would be dropped under it) */
+    static const char built[] = "\x80\x04\x8c\x01m\x8c\x01"
+                                "C\x93)\x81\x94](h\x00]be\x86.";
+    rows rw = {0};
+    ss_mdread *r;
+    char *keep;
+    rw.all = 1;
+    CHECK_EQ_INT(dec_fold(S(pinned), &rw, &r, &keep), 0);
+    if (r != NULL) {
+        const ss_md_result *res = ss_mdread_result(r);
+        const ss_md_node *root = node(res, res->root);
+        const ss_md_node *l = node(res, res->kids[root->a]);
+        CHECK_EQ_INT(rw.calls, 0);
+        CHECK_EQ_INT(l->b, 1);
+        CHECK_EQ_INT(res->kids[l->a], res->kids[root->a + 1]);
+        ss_mdread_free(r);
+    }
+    free(keep);
+    CHECK_EQ_INT(dec_fold(S(built), &rw, &r, &keep), 0);
+    if (r != NULL) {
+        const ss_md_result *res = ss_mdread_result(r);
+        const ss_md_node *root = node(res, res->root);
+        const ss_md_node *o = node(res, res->kids[root->a]);
+        const ss_md_node *l = node(res, res->kids[root->a + 1]);
+        CHECK_EQ_INT(rw.calls, 0);
+        CHECK_EQ_INT(o->kind, SS_MD_NEWOBJ);
+        CHECK(o->c >= 1 && o->c - 1 < res->nnodes);
+        CHECK_EQ_INT(node(res, o->c - 1)->kind, SS_MD_LIST);
+        CHECK_EQ_INT(res->kids[l->a], res->kids[root->a]);
+        ss_mdread_free(r);
+    }
+    free(keep);
+}
+
 int main(void)
 {
     RUN(test_decodes_a_dict);
@@ -326,6 +556,10 @@ int main(void)
     RUN(test_refuses);
     RUN(test_truncations_and_flips);
     RUN(test_many_items);
+    RUN(test_batches_after_a_run);
+    RUN(test_memo_fetched_only);
+    RUN(test_fold_rows);
+    RUN(test_fold_refused);
     ss_mdread_free(NULL);
     return ss_test_report("test_mdread");
 }

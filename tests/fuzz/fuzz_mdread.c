@@ -16,7 +16,11 @@
  *    accepted stream without a cycle and nesting at most
  *    SS_PICKLE_DEPTH_MAX passes the scan too;
  *  - decode is deterministic: the same bytes give the same code and table
- *    size.
+ *    size;
+ *  - with a fold hook that takes every batch it is offered
+ *    (ss_mdread_decode_fold), the answer is the same code, the table no
+ *    larger, every reference in bounds and every row id one the hook gave
+ *    (dropped nodes are never referred to again; ASan sees any use).
  * A violated property aborts, so libFuzzer keeps the input. */
 #include "ss_mdread.h"
 #include "ss_pickle.h"
@@ -33,6 +37,22 @@
             abort();                                                           \
         }                                                                      \
     } while (0)
+
+/* Rows the fold hook handed out in this input's folded decode. */
+static uint32_t rows_made;
+
+static int take_all(void *ctx, const ss_md_result *t, uint32_t ci,
+                    const uint32_t *items, size_t n, uint32_t *row0)
+{
+    (void)ctx;
+    CHECK(ci < t->nnodes && n > 0);
+    CHECK(t->nodes[ci].kind == SS_MD_LIST || t->nodes[ci].kind == SS_MD_DICT);
+    for (size_t k = 0; k < n; k++)
+        CHECK((items[k] & SS_MD_ROW_BIT) || items[k] < t->nnodes);
+    *row0 = rows_made;
+    rows_made += (uint32_t)(t->nodes[ci].kind == SS_MD_DICT ? n / 2 : n);
+    return 1;
+}
 
 static int is_container(unsigned kind)
 {
@@ -56,8 +76,14 @@ static void visit(const ss_md_result *r, size_t len, uint32_t i,
         size_t cnt = n->kind == SS_MD_DICT ? 2 * (size_t)n->b : n->b;
         CHECK(cnt == 0 || (n->a <= r->nkids && cnt <= r->nkids - n->a));
         for (size_t k = 0; k < cnt; k++) {
-            CHECK(r->kids[n->a + k] < r->nnodes);
-            stack[(*sp)++] = r->kids[n->a + k];
+            uint32_t kid = r->kids[n->a + k];
+            if (kid & SS_MD_ROW_BIT) { /* only a fold's list or dict */
+                CHECK(n->kind != SS_MD_TUPLE);
+                CHECK((kid & ~SS_MD_ROW_BIT) < rows_made);
+                continue;
+            }
+            CHECK(kid < r->nnodes);
+            stack[(*sp)++] = kid;
         }
         break;
     }
@@ -81,6 +107,24 @@ static void visit(const ss_md_result *r, size_t len, uint32_t i,
     default:
         CHECK(n->kind <= SS_MD_FLOAT);
     }
+}
+
+/* Every reference of the table reachable from the root in bounds. */
+static void walk(const ss_md_result *res, size_t len, uint8_t *seen)
+{
+    uint32_t *stack = malloc((res->nkids + 3 * res->nnodes + 1) * 4);
+    size_t sp = 0;
+    CHECK(seen != NULL && stack != NULL);
+    stack[sp++] = res->root;
+    while (sp) {
+        uint32_t i = stack[--sp];
+        CHECK(i < res->nnodes);
+        if (seen[i])
+            continue;
+        seen[i] = 1;
+        visit(res, len, i, stack, &sp);
+    }
+    free(stack);
 }
 
 /* Depth of the graph under i (containers and calls count 1), or -1 on a
@@ -142,18 +186,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
 
     /* every node reachable, every reference in bounds */
     uint8_t *seen = calloc(res->nnodes, 1);
-    uint32_t *stack = malloc((res->nkids + 3 * res->nnodes + 1) * 4);
-    size_t sp = 0;
-    CHECK(seen != NULL && stack != NULL);
-    stack[sp++] = res->root;
-    while (sp) {
-        uint32_t i = stack[--sp];
-        CHECK(i < res->nnodes);
-        if (seen[i])
-            continue;
-        seen[i] = 1;
-        visit(res, len, i, stack, &sp);
-    }
+    rows_made = 0;
+    walk(res, len, seen);
     /* the fixed nodes (None, bools, small ints, ()) are made up front */
     for (size_t i = 0; i < res->nnodes; i++)
         CHECK(seen[i] || i < 3 + 256 + 1);
@@ -165,7 +199,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len)
         CHECK(ss_pickle_scan(data, len, NULL, NULL) == 0);
     free(depth);
     free(seen);
-    free(stack);
+    ss_mdread_free(r2);
+
+    /* folded: the same answer from a smaller table, nothing dangling */
+    ss_md_fold fold = {take_all, NULL};
+    rows_made = 0;
+    CHECK(ss_mdread_decode_fold(data, len, &fold, &r2, NULL) == 0);
+    const ss_md_result *f = ss_mdread_result(r2);
+    CHECK(f->nnodes <= res->nnodes && f->root < f->nnodes);
+    seen = calloc(f->nnodes, 1);
+    walk(f, len, seen);
+    free(seen);
     ss_mdread_free(r);
     ss_mdread_free(r2);
     return 0;
