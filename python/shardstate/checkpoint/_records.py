@@ -1,8 +1,10 @@
 """Where a checkpoint's records are, and what they hold.
 
-A tensor record is a ``torch.save`` zip (docs/FORMAT.md). The writer lays
-one out from a cached plan (``_record_plan``: its header depends only on
-dtype and shape; ``_Trailer`` patches the CRC into the trailer). The reader
+A tensor record is a ``torch.save`` zip (docs/FORMAT.md). A save frames
+its records in C (``ss_zipwrite``, through ``_fs_write._plan``); the Python
+plans here (``_record_plan``: the header, which depends only on dtype and
+shape, and ``_Trailer``, the trailer for a CRC) serve the stream-transform
+writer and the reader's comparison with the dense record. The reader
 finds an item through ``storage_data`` (``_Records.requests``: paths confined
 to the checkpoint directory, every offset and length checked against the
 file) and then recognises its record (``_Records.parse``): in C (``ss_zipread``,
