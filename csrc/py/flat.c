@@ -99,20 +99,6 @@ static void FlatLayout_dealloc(FlatLayoutObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *int_tuple(const int64_t *v, size_t n)
-{
-    PyObject *t = PyTuple_New((Py_ssize_t)n);
-    for (size_t i = 0; t != NULL && i < n; i++) {
-        PyObject *x = PyLong_FromLongLong(v[i]);
-        if (x == NULL) {
-            Py_CLEAR(t);
-            break;
-        }
-        PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
-    }
-    return t;
-}
-
 #define SS__GET_INT(name, fn)                                                  \
     static PyObject *FlatLayout_get_##name(FlatLayoutObject *self, void *c)    \
     {                                                                          \
@@ -130,21 +116,21 @@ SS__GET_INT(padded_numel, ss_flat_padded_numel)
 static PyObject *FlatLayout_get_numels(FlatLayoutObject *self, void *c)
 {
     (void)c;
-    return int_tuple(ss_flat_numels(self->l), ss_flat_nparams(self->l));
+    return ss_py_int_tuple(ss_flat_numels(self->l), ss_flat_nparams(self->l));
 }
 
 static PyObject *FlatLayout_get_offsets(FlatLayoutObject *self, void *c)
 {
     (void)c;
-    return int_tuple(ss_flat_offsets(self->l), ss_flat_nparams(self->l));
+    return ss_py_int_tuple(ss_flat_offsets(self->l), ss_flat_nparams(self->l));
 }
 
 static PyObject *FlatLayout_get_numels_with_padding(FlatLayoutObject *self,
                                                     void *c)
 {
     (void)c;
-    return int_tuple(ss_flat_segment_numels(self->l),
-                     ss_flat_nsegments(self->l));
+    return ss_py_int_tuple(ss_flat_segment_numels(self->l),
+                           ss_flat_nsegments(self->l));
 }
 
 static PyObject *FlatLayout_get_is_padding_mask(FlatLayoutObject *self, void *c)

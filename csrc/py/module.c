@@ -3,6 +3,20 @@
 #include "module.h"
 #include "ss_numpy.h"
 
+PyObject *ss_py_int_tuple(const int64_t *v, size_t n)
+{
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (x == NULL) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, x);
+    }
+    return t;
+}
+
 static int ss_exec(PyObject *m)
 {
     ss_state *st = ss_get_state(m);

@@ -47,6 +47,10 @@ static inline ss_state *ss_state_from_type(PyTypeObject *tp)
  * `return ss_py_raise(st, rc, &info);`. */
 PyObject *ss_py_raise(ss_state *st, int rc, const ss_errinfo *info);
 
+/* A new tuple of the n int64 values v[0..n) as ints, or NULL with an
+ * exception set. */
+PyObject *ss_py_int_tuple(const int64_t *v, size_t n);
+
 /* obj is None or a ThreadPool: store its ss_pool* (NULL for None) in *out.
  * Returns 0, or -1 with TypeError set. */
 int ss_py_pool_arg(ss_state *st, PyObject *obj, ss_pool **out);

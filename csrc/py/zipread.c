@@ -6,19 +6,6 @@
 #include "module.h"
 #include "ss_zipread.h"
 
-static PyObject *int_tuple(const int64_t *v, int n)
-{
-    PyObject *t = PyTuple_New(n);
-    for (int k = 0; t != NULL && k < n; k++) {
-        PyObject *x = PyLong_FromLongLong(v[k]);
-        if (x == NULL)
-            Py_CLEAR(t);
-        else
-            PyTuple_SET_ITEM(t, k, x);
-    }
-    return t;
-}
-
 static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
 {
     ss_state *st = ss_get_state(m);
@@ -55,8 +42,8 @@ static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
         }
         dense &= want == t->storage_numel;
     }
-    shape = int_tuple(t->shape, t->ndim);
-    stride = int_tuple(t->stride, t->ndim);
+    shape = ss_py_int_tuple(t->shape, (size_t)t->ndim);
+    stride = ss_py_int_tuple(t->stride, (size_t)t->ndim);
     if (shape != NULL && stride != NULL)
         out = Py_BuildValue(
             "(sOOLLOKKkOOO)", t->dtype, shape, stride,
