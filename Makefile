@@ -1,7 +1,7 @@
 # shardstate: the two commands that matter are `make demo` and `make test`.
 # Both set up everything they need on a fresh machine: `make demo` a
-# virtualenv in .venv (torch==2.13.0, numpy, pytest, hypothesis, zstandard)
-# and the in-place extension; `make test` a wheel of this tree installed into
+# virtualenv in .venv (torch==2.13.0, numpy, pytest, hypothesis, zstandard, and fsspec, s3fs,
+# moto[server], safetensors for the storage tests) and the in-place extension; `make test` a wheel of this tree installed into
 # build/wheel-venv (the same dependencies), tested as users install it.
 
 PYTHON ?= python3
@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=77" \
-	    "zstandard>=0.22" wheel
+	    "zstandard>=0.22" wheel \
+	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4"
 	touch $@
 
 venv: $(STAMP)
@@ -59,7 +60,8 @@ $(WHEEL_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q --upgrade pip
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" \
-	    "hypothesis>=6" "setuptools>=77" "zstandard>=0.22"
+	    "hypothesis>=6" "setuptools>=77" "zstandard>=0.22" \
+	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4"
 	touch $@
 
 test: $(WHEEL_STAMP)
