@@ -1,7 +1,8 @@
 # shardstate: the two commands that matter are `make demo` and `make test`.
 # Both set up everything they need on a fresh machine: `make demo` a
-# virtualenv in .venv (torch==2.13.0, numpy, pytest, hypothesis, zstandard, and fsspec, s3fs,
-# moto[server], safetensors for the storage tests) and the in-place extension; `make test` a wheel of this tree installed into
+# virtualenv in .venv (torch==2.13.0, numpy, pytest, hypothesis, zstandard;
+# fsspec, s3fs, moto[server] and safetensors for the storage tests) and the
+# in-place extension; `make test` a wheel of this tree installed into
 # build/wheel-venv (the same dependencies), tested as users install it.
 
 PYTHON ?= python3
