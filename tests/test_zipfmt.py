@@ -197,6 +197,16 @@ def test_large_ints_in_pickle_match_torch():
         assert plan.header + plan.trailer(0) == torch_save(t)
 
 
+def test_empty_view_offset_past_its_storage_parses_as_torch_loads_it():
+    # torch.save keeps the view's storage offset (1) past an empty storage
+    t = torch.zeros(3, 0)[1:]
+    rec = torch_save(t)
+    info = z.parse_record(rec)
+    back = torch.load(io.BytesIO(rec))
+    assert (info.shape, info.stride, info.storage_offset) == (tuple(back.shape), back.stride(), 1)
+    assert back.storage_offset() == 1
+
+
 def test_zip64_layout_matches_torch(tmp_path):
     """Fixtures: head and trailer of torch.save(torch.zeros(2**32 + 100,
     dtype=torch.uint8)) written to a file object (CRC of the data a92a4ce5)."""
