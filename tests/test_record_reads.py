@@ -140,6 +140,47 @@ def test_scatter_into_strided_destinations_equals_torch_load(tmp_path, monkeypat
         dcp.load(dests(), storage_reader=FileSystemReader(tmp_path))
 
 
+def test_records_torch_wrote_without_crcs_load_as_torch_loads_them(tmp_path):
+    """torch.serialization.set_crc32_options(False): every CRC-32 in the
+    records is 0, so their data has nothing to be checked against; a load
+    reads them (range, scatter and whole reads) instead of calling them
+    corrupt, and still checks the records that have CRCs."""
+    from shardstate import _core
+    from shardstate.checkpoint._zipfmt import parse_record
+
+    g = torch.Generator().manual_seed(5)
+    src = {"a": torch.randn(16, 8, generator=g), "b": torch.randn(6, 10, generator=g).t()}
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(src, storage_writer=dcp.FileSystemWriter(tmp_path / "off"))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    dcp.save({"c": torch.randn(4, 4, generator=g)},
+             storage_writer=dcp.FileSystemWriter(tmp_path / "on"))
+    file, _ = _data_offset(tmp_path / "off", "a")
+    md = FileSystemReader(tmp_path / "off").read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "a")
+    rec = file.read_bytes()[info.offset:info.offset + info.length]
+    assert parse_record(rec).data_crc32 is None
+    assert _core.parse_tensor_record(rec)[8] is None
+    whole = {"a": torch.zeros(16, 8), "b": torch.zeros(10, 6)}
+    dcp.load(whole, storage_reader=FileSystemReader(tmp_path / "off"))
+    assert torch.equal(whole["a"], src["a"]) and torch.equal(whole["b"], src["b"])
+    part = {"a": torch.zeros(4, 8)}
+    _read(tmp_path / "off", {"a": ((2, 0), (4, 8))}, part)  # a range of the record
+    assert torch.equal(part["a"], src["a"][2:6])
+    strided = {"a": torch.zeros(8, 16).t()}  # scattered through scratch
+    dcp.load(strided, storage_reader=FileSystemReader(tmp_path / "off"))
+    assert torch.equal(strided["a"], src["a"])
+    # a record with CRCs is still checked
+    file, data = _data_offset(tmp_path / "on", "c")
+    _flip(file, data + 3)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"CRC-32 mismatch in item 'c'"):
+        dcp.load({"c": torch.zeros(4, 4)}, storage_reader=FileSystemReader(tmp_path / "on"))
+
+
 def _row(**kw) -> list[int]:
     row = dict.fromkeys(ssio.REC_COLUMNS, 0)
     row.update(kw)

@@ -862,5 +862,6 @@ int ss_zipread_tensor(const void *buf, size_t len, ss_zip_tensor *out,
     out->data_offset = data->data;
     out->data_length = data->size;
     out->data_crc32 = data->crc;
+    out->has_crc = any_crc;
     return 0;
 }

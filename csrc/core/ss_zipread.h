@@ -46,7 +46,8 @@ typedef struct ss_zip_tensor {
     uint64_t data_offset; /* of the storage bytes, in buf */
     uint64_t data_length;
     uint32_t data_crc32; /* as stored in the archive */
-    int conj, neg;       /* torch's conj/neg view bits */
+    int has_crc;   /* 0: torch wrote no CRC-32s (all 0): nothing to check */
+    int conj, neg; /* torch's conj/neg view bits */
 } ss_zip_tensor;
 
 /* Recognise the record buf[0, len). 0 with *out filled; SS_EINVAL when it

@@ -10,7 +10,7 @@ static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
 {
     ss_state *st = ss_get_state(m);
     ss_zip_tensor *t = NULL;
-    PyObject *shape = NULL, *stride = NULL, *out = NULL;
+    PyObject *shape = NULL, *stride = NULL, *crc = NULL, *out = NULL;
     ss_errinfo err;
     Py_buffer view;
     int rc, dense;
@@ -44,18 +44,22 @@ static PyObject *py_parse_tensor_record(PyObject *m, PyObject *arg)
     }
     shape = ss_py_int_tuple(t->shape, (size_t)t->ndim);
     stride = ss_py_int_tuple(t->stride, (size_t)t->ndim);
-    if (shape != NULL && stride != NULL)
+    /* None: a record torch wrote without CRC-32s has none to check */
+    crc = t->has_crc ? PyLong_FromUnsignedLong(t->data_crc32)
+                     : Py_NewRef(Py_None);
+    if (shape != NULL && stride != NULL && crc != NULL)
         out = Py_BuildValue(
-            "(sOOLLOKKkOOO)", t->dtype, shape, stride,
+            "(sOOLLOKKOOOO)", t->dtype, shape, stride,
             (long long)t->storage_offset, (long long)t->storage_numel,
             t->requires_grad ? Py_True : Py_False,
             (unsigned long long)t->data_offset,
-            (unsigned long long)t->data_length, (unsigned long)t->data_crc32,
+            (unsigned long long)t->data_length, crc,
             t->conj ? Py_True : Py_False, t->neg ? Py_True : Py_False,
             dense ? Py_True : Py_False);
 out:
     Py_XDECREF(shape);
     Py_XDECREF(stride);
+    Py_XDECREF(crc);
     PyMem_Free(t);
     PyBuffer_Release(&view);
     return out;
@@ -66,7 +70,8 @@ static PyMethodDef zipread_methods[] = {
      "parse_tensor_record(record, /)\n--\n\n"
      "The torch.save tensor record held whole in the buffer, recognised in "
      "C: (dtype, shape, stride, storage_offset, storage_numel, "
-     "requires_grad, data_offset, data_length, data_crc32, conj, neg, "
+     "requires_grad, data_offset, data_length, data_crc32 (None when the "
+     "record has no CRC-32s), conj, neg, "
      "dense: the storage is exactly the tensor, row-major from 0), "
      "offsets inside the buffer; None when refused (the C parser accepts a "
      "subset of what _zipfmt.parse_record accepts, with the same results)."},

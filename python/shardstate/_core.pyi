@@ -236,8 +236,8 @@ def read_batch(
 ) -> list[int]: ...
 def parse_tensor_record(
     record: Buffer, /
-) -> (tuple[str, tuple[int, ...], tuple[int, ...], int, int, bool, int, int, int, bool, bool,
-             bool] | None): ...
+) -> (tuple[str, tuple[int, ...], tuple[int, ...], int, int, bool, int, int, int | None, bool,
+             bool, bool] | None): ...
 def read_records(
     paths: Sequence[PathArg],
     table: Buffer,

@@ -236,7 +236,7 @@ def _round_buffer(entries: list[_Shared], mine: dict[Any, list[tuple[_Req, Any]]
         n = e.rec.data_length
         r = mine[e.key][0][0]
         jobs.append(ssio.ReadJob(r.file.path, e.rec.data_offset, buf[pos : pos + n],
-                                 e.rec.data_crc32 if reads.verify else None))
+                                 e.rec.data_crc32 if reads.verify and e.rec.checked else None))
         reqs.append((r, e.rec))
         pos += n
     reads.run(jobs, reqs)

@@ -353,7 +353,7 @@ class _Reads:
                 record = self.transforms.decode(descriptors, b, limit, size, where)
                 rec = self.records.parse_buffer(record, r)
                 data = np.frombuffer(record, np.uint8, rec.data_length, rec.data_offset)
-                if self.verify and crc32(data) != rec.data_crc32:
+                if self.verify and rec.checked and crc32(data) != rec.data_crc32:
                     raise ChecksumError(
                         f"CRC-32 mismatch in {where}: the tensor data its stream transforms "
                         f"{list(descriptors)} give ({rec.data_length} bytes at offset "
@@ -366,6 +366,22 @@ class _Reads:
 
     def _tensors(self, reqs: list[_Req], planner: Any) -> None:
         infos = self.records.parse(reqs)
+        if self.verify and not all(rec.checked for rec in infos):
+            # Records torch wrote with set_crc32_options(False) carry no
+            # CRC-32 to check their data against: read them without one.
+            self._tensors_of([(r, rec) for r, rec in zip(reqs, infos) if rec.checked], planner)
+            self.verify = False
+            try:
+                self._tensors_of([(r, rec) for r, rec in zip(reqs, infos) if not rec.checked],
+                                 planner)
+            finally:
+                self.verify = True
+            return
+        self._tensors_of(list(zip(reqs, infos)), planner)
+
+    def _tensors_of(self, located: list[tuple[_Req, _Rec]], planner: Any) -> None:
+        if not located:
+            return
         # (req, record, destination, (byte offset, byte count) in the record's
         # data) for regions read straight into their destination: host ones
         # through the engine's record reads, device ones through the stage.
@@ -374,7 +390,7 @@ class _Reads:
         # read into engine scratch and scattered out by the engine
         scatter: list[tuple[_Req, _Rec, Any, tuple[tuple[int, ...], tuple[int, ...]]]] = []
         staged: list[tuple[_Req, _Rec, Any]] = []
-        for r, rec in zip(reqs, infos):
+        for r, rec in located:
             offs, lengths = region = _region(r)
             dest = _destination(r, rec, planner, region)
             span = None

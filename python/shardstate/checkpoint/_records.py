@@ -245,6 +245,10 @@ class _Rec:
     # known dense row-major (recognised as the record we would write): a
     # hint for _slab, not part of what the record is
     dense: bool = field(default=False, compare=False)
+    # False: torch wrote the record without CRC-32s
+    # (torch.serialization.set_crc32_options(False)); data_crc32 is 0 and
+    # there is nothing to check its data against
+    checked: bool = True
 
 
 @dataclass
@@ -284,7 +288,8 @@ def _c_record(mm: Any, off: int, length: int) -> _Rec | None:
     if c is None:
         return None
     dtype, shape, stride, soff, _numel, _rg, doff, dlen, crc, conj, neg, dense = c
-    return _Rec(dtype, shape, stride, soff, doff + off, dlen, crc, conj, neg, dense)
+    return _Rec(dtype, shape, stride, soff, doff + off, dlen, crc or 0, conj, neg, dense,
+                crc is not None)
 
 
 def _parsed(mm: Any, r: _Req, off: int | None = None, length: int | None = None) -> _Rec:
@@ -300,7 +305,7 @@ def _parsed(mm: Any, r: _Req, off: int | None = None, length: int | None = None)
     finally:
         view.release()
     return _Rec(p.dtype, p.shape, p.stride, p.storage_offset, p.data_offset, p.data_length,
-                p.data_crc32, p.conj, p.neg)
+                p.data_crc32 or 0, p.conj, p.neg, checked=p.data_crc32 is not None)
 
 
 class _Records:

@@ -493,7 +493,7 @@ class RecordInfo:
     requires_grad: bool
     data_offset: int  # absolute offset of the storage bytes
     data_length: int
-    data_crc32: int  # as stored in the archive
+    data_crc32: int | None  # as stored in the archive; None: it holds no CRC-32s
     conj: bool = False  # the tensor is the conjugate of its storage's values
     neg: bool = False  # ... or their negation (torch's conj/neg view bits)
 
@@ -926,8 +926,8 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
     ``_StorageInfo.offset``); offsets in the result are ``base_offset`` plus
     offsets inside ``buf``. Nothing is unpickled. Every entry but the
     storage bytes (``data/<key>``) must match its CRC-32 (unless torch wrote
-    none: all 0); the storage bytes are not read or checksummed: compare
-    ``data_crc32`` with a CRC of the bytes you read."""
+    none: all 0, and ``data_crc32`` is None); the storage bytes are not read
+    or checksummed: compare ``data_crc32`` with a CRC of the bytes you read."""
     try:
         mv = memoryview(buf).cast("B")
     except TypeError as e:
@@ -949,7 +949,8 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
     # hundred bytes): a damaged data.pkl that still parses (a stride of 0, an
     # offset) would otherwise give other values from intact storage bytes.
     # torch.serialization.set_crc32_options(False) writes every CRC as 0.
-    if any(e.crc32 for e in entries):
+    has_crc = any(e.crc32 for e in entries)
+    if has_crc:
         for e in entries:
             if not e.name.startswith("data/") and \
                     zlib.crc32(mv[e.data_offset : e.data_offset + e.size]) != e.crc32:
@@ -999,7 +1000,7 @@ def parse_record(buf: BytesLike, base_offset: int = 0) -> RecordInfo:
         requires_grad=t.requires_grad,
         data_offset=data.data_offset + base_offset,
         data_length=data.size,
-        data_crc32=data.crc32,
+        data_crc32=data.crc32 if has_crc else None,
         conj=t.conj,
         neg=t.neg,
     )
