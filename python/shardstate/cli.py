@@ -1,0 +1,227 @@
+"""The ``shardstate`` command (also ``python -m shardstate``).
+
+    shardstate ls ROOT [--json]                step checkpoints under ROOT
+    shardstate inspect CKPT [--chunks] [--json]
+    shardstate verify CKPT [--quiet]           every reference and record CRC
+    shardstate diff A B [--rtol R] [--atol A]  keys, dtypes, shapes, values
+    shardstate convert SRC DST [--to torch_save|dcp]
+    shardstate prune ROOT --keep K [--incomplete] [--dry-run]
+
+Exit status: 0 success (verify: sound; diff: no difference); 1 verify found
+damage, diff found differences; 2 bad usage; 3 no checkpoint at the path or
+its metadata cannot be read; 4 any other error (I/O, a failed conversion).
+Errors are one line on stderr, ``shardstate: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNREADABLE, EXIT_ERROR = 0, 1, 2, 3, 4
+
+
+def _human(n: int | None) -> str:
+    from ._progress import _human
+
+    return "?" if n is None else _human(n)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from .checkpoint._inspect import describe
+
+    d = describe(a.ckpt)
+    if a.json:
+        json.dump(d, sys.stdout, indent=1)
+        print()
+        return EXIT_OK
+    items = d["items"]
+    n_t = sum(1 for it in items if it["kind"] == "tensor")
+    nf = len(d["files"])
+    print(f"{d['path']}: {len(items)} items ({n_t} tensors, {len(items) - n_t} bytes items), "
+          f"{nf} data file{'' if nf == 1 else 's'} from ranks {_ranks(d['ranks'])}, "
+          f"{_human(d['total_bytes'])}")
+    width = max([len(it["key"]) for it in items] + [3])
+    print(f"  {'key':<{width}}  {'dtype':<14} {'shape':<20} {'chunks':>6}  {'ranks':<8} stored")
+    for it in items:
+        if it["kind"] == "bytes":
+            print(f"  {it['key']:<{width}}  {'bytes':<14} {'':<20} {'':>6}  "
+                  f"{_ranks([it['rank']] if it['rank'] is not None else []):<8} "
+                  f"{_human(it['stored_bytes'])}")
+            continue
+        ranks = sorted({c["rank"] for c in it["chunks"] if c["rank"] is not None})
+        print(f"  {it['key']:<{width}}  {it['dtype']:<14} {str(it['shape']):<20} "
+              f"{len(it['chunks']):>6}  {_ranks(ranks):<8} {_human(it['stored_bytes'])}")
+        if a.chunks:
+            for c in it["chunks"]:
+                print(f"      {c['offsets']} + {c['sizes']}: {c['file']} at {c['offset']}, "
+                      f"{c['length']} bytes")
+    return EXIT_OK
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from ._progress import Progress
+    from .checkpoint._inspect import describe, verify
+
+    total = describe(a.ckpt)["total_bytes"]
+    bar = Progress("verify", total, enabled=False if a.quiet else None)
+    try:
+        report = verify(a.ckpt, progress=bar)
+    finally:
+        bar.close()
+    for w in report.warnings:
+        print(f"warning: {w}")
+    for p in report.problems:
+        print(f"damaged: {p}")
+    summary = (f"{report.items} items, {report.records} records, "
+               f"{_human(report.checked_bytes)} checked")
+    if report.ok:
+        print(f"OK: {a.ckpt}: {summary}")
+        return EXIT_OK
+    print(f"DAMAGED: {a.ckpt}: {len(report.problems)} problems ({summary})")
+    return EXIT_FOUND
+
+
+def _cmd_diff(a: argparse.Namespace) -> int:
+    from .checkpoint._inspect import diff
+
+    lines = diff(a.a, a.b, rtol=a.rtol, atol=a.atol)
+    for line in lines:
+        print(line)
+    if lines:
+        print(f"{len(lines)} differences")
+        return EXIT_FOUND
+    print("no differences")
+    return EXIT_OK
+
+
+def _cmd_convert(a: argparse.Namespace) -> int:
+    from .checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    to = a.to or ("torch_save" if Path(a.src).is_dir() else "dcp")
+    if to == "torch_save":
+        if not (Path(a.src) / ".metadata").is_file():
+            from .checkpoint._inspect import CheckpointUnreadable
+
+            raise CheckpointUnreadable(f"{a.src}: no DCP checkpoint (no .metadata)")
+        dcp_to_torch_save(a.src, a.dst)
+    else:
+        if not Path(a.src).is_file():
+            from .checkpoint._inspect import CheckpointUnreadable
+
+            raise CheckpointUnreadable(f"{a.src}: no such torch.save file")
+        torch_save_to_dcp(a.src, a.dst)
+    if not a.quiet:
+        print(f"{a.src} -> {a.dst} ({to})")
+    return EXIT_OK
+
+
+def _cmd_ls(a: argparse.Namespace) -> int:
+    from .checkpoint._steps import list_steps
+
+    steps = list_steps(a.root)
+    if a.json:
+        json.dump([{"step": s.step, "path": os.fspath(s.path), "state": s.state,
+                    "size": s.size} for s in steps], sys.stdout, indent=1)
+        print()
+        return EXIT_OK
+    if not steps:
+        print(f"{a.root}: no steps")
+        return EXIT_OK
+    print(f"{'step':>10}  {'state':<10} {'size':>10}  path")
+    for s in steps:
+        print(f"{s.step:>10}  {s.state:<10} {_human(s.size):>10}  {s.path}")
+    return EXIT_OK
+
+
+def _cmd_prune(a: argparse.Namespace) -> int:
+    from .checkpoint._steps import list_steps, remove_step
+
+    steps = list_steps(a.root)
+    done = [s for s in steps if s.loadable]
+    drop = done[: max(len(done) - a.keep, 0)]
+    if a.incomplete and done:
+        newest = done[-1].step
+        drop += [s for s in steps if not s.loadable and s.step < newest]
+    for s in sorted(drop, key=lambda s: s.step):
+        if not a.dry_run:
+            remove_step(s)
+        if not a.quiet:
+            print(f"{'would remove' if a.dry_run else 'removed'} step {s.step} ({s.state}, "
+                  f"{_human(s.size)}): {s.path}")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardstate", description="Inspect, verify, compare, "
+                                "convert and prune distributed checkpoints (DCP format).")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    s = sub.add_parser("ls", help="list the step checkpoints under a root")
+    s.add_argument("root")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_cmd_ls)
+    s = sub.add_parser("inspect", help="keys, dtypes, shapes, chunks, files and ranks")
+    s.add_argument("ckpt")
+    s.add_argument("--chunks", action="store_true", help="list every chunk and where it is")
+    s.add_argument("--json", action="store_true", help="everything, as JSON")
+    s.set_defaults(run=_cmd_inspect)
+    s = sub.add_parser("verify", help="check every metadata reference and record CRC-32")
+    s.add_argument("ckpt")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.set_defaults(run=_cmd_verify)
+    s = sub.add_parser("diff", help="compare two checkpoints' keys, shapes and values")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--rtol", type=float, default=0.0)
+    s.add_argument("--atol", type=float, default=0.0)
+    s.set_defaults(run=_cmd_diff)
+    s = sub.add_parser("convert", help="DCP checkpoint <-> torch.save file")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--to", choices=("torch_save", "dcp"),
+                   help="default: torch_save from a directory, dcp from a file")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.set_defaults(run=_cmd_convert)
+    s = sub.add_parser("prune", help="remove all but the newest K loadable steps")
+    s.add_argument("root")
+    s.add_argument("--keep", type=int, required=True, metavar="K")
+    s.add_argument("--incomplete", action="store_true",
+                   help="also remove incomplete steps older than the newest loadable one")
+    s.add_argument("--dry-run", action="store_true")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.set_defaults(run=_cmd_prune)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "keep", 0) < 0:
+        _parser().error("--keep must be >= 0")
+    from .checkpoint._inspect import CheckpointUnreadable
+
+    try:
+        return args.run(args)
+    except (CheckpointUnreadable, FileNotFoundError) as e:
+        print(f"shardstate: error: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as e:  # one line, not a traceback
+        print(f"shardstate: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _entry() -> Any:
+    sys.exit(main())
