@@ -18,6 +18,7 @@ from ._pickle import PickleFormatError, UnsafePickleError
 from .api import CheckpointException
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from .filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
+from .manager import CheckpointManager
 from .metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -36,6 +37,7 @@ __all__ = [
     "AsyncSaveResponse",
     "BytesStorageMetadata",
     "CheckpointException",
+    "CheckpointManager",
     "ChunkStorageMetadata",
     "DefaultLoadPlanner",
     "DefaultSavePlanner",
