@@ -233,11 +233,14 @@ asan-test: $(STAMP)
 	    $(PY) -m pytest -q -p no:cacheprovider $(ASAN_SKIP) tests; st=$$?; \
 	    $(PY) setup.py -q build_ext --inplace --force; exit $$st
 
-# Save with 2 ranks, resume with 3 (another placement), verify every element.
+# A run under CheckpointManager preempted by SIGTERM at 2 ranks, resumed at 3, and the
+# shardstate command on the result; then FSDP and DTensor states saved with 2 ranks,
+# resumed with 3 (another placement), every element verified.
 DEMO_DIR ?= build/demo-checkpoint
 DEMO_GIB ?= 1.5
 demo: build
-	rm -rf $(DEMO_DIR)
+	OMP_NUM_THREADS=1 $(PY) scripts/demo_run.py --dir build/demo-run
+	rm -rf build/demo-run $(DEMO_DIR)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/demo.py save --dir $(DEMO_DIR) --gib $(DEMO_GIB)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=3 scripts/demo.py resume --dir $(DEMO_DIR) --gib $(DEMO_GIB)
 	rm -rf $(DEMO_DIR)
