@@ -607,3 +607,29 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     for k, v in ref.storage_data.items():
         assert sd[k] == v
     assert dict(sd.items()) == ref.storage_data
+
+
+def test_folded_storage_rows_copied_or_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """storage_data's rows are handed over as the columns only where they are
+    all the folded entries, in order: here planner_data holds a dict of
+    entries folded too (made eagerly from its rows), and a batch of
+    storage_data stays nodes between folded ones (an fqn the stream fetches
+    again later), so the compact form is a copy mixing rows and nodes."""
+    def entries(n: int, tag: str) -> dict[Any, Any]:
+        return {tmd.MetadataIndex("".join([tag, str(i % 5)]), torch.Size([i, 1]), i % 2 or None):
+                _StorageInfo("".join(["p", str(i % 3)]), i, 9) for i in range(n)}
+    storage = entries(4000, "s")
+    later = next(k.fqn for k in list(storage)[2500:2501])  # in the third batch
+    md = tmd.Metadata({}, {"other": entries(1500, "o")}, storage,
+                      tmd.StorageMeta(checkpoint_id="c", save_id=later))
+    data = pickle.dumps(md)
+    got = check(data, served=True)
+    assert type(got.storage_data) is dict and len(got.storage_data) == 4000
+    monkeypatch.setattr(_mdlazy, "LAZY_MIN", 0)
+    lazy, ref = fastread._fast(data), _pickle._reference(data)
+    sd = lazy.storage_data
+    assert type(sd) is _mdlazy.StorageMap and len(sd) == 4000
+    assert not sd._a["fid"].flags.writeable
+    assert dict(sd.items()) == ref.storage_data and lazy.planner_data == ref.planner_data
+    assert [k.fqn for k in sd] == [k.fqn for k in ref.storage_data]
+    assert lazy.storage_meta.save_id is list(sd)[2500].fqn

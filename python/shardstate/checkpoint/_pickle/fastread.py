@@ -50,7 +50,8 @@ _FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, 
 
 _cache: dict[bool, tuple[Any, ...] | None] = {}
 
-# The columns csrc/py/mdread.c's lazy_storage hands make_storage, in order.
+# The columns csrc/py/mdread.c's lazy_storage hands make_storage, in order
+# (read-only arrays of these types, owning the memory C filled).
 _STORAGE_COLS = (("fid", np.int32), ("pid", np.int32), ("flags", np.uint8), ("kndim", np.int8),
                  ("koff", np.int64), ("kidx", np.int64), ("off", np.int64), ("len", np.int64),
                  ("crc", np.int64))
@@ -119,8 +120,8 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     index_cls, info_cls = _md.MetadataIndex, _md._StorageInfo
 
     def make_storage(key_order: tuple[str, str, str], strs: list[str],
-                     *cols: bytes) -> _mdlazy.StorageMap:
-        arrays = {name: np.frombuffer(b, dt) for (name, dt), b in zip(_STORAGE_COLS, cols)}
+                     *cols: np.ndarray) -> _mdlazy.StorageMap:
+        arrays = {name: c for (name, _), c in zip(_STORAGE_COLS, cols)}
         return _mdlazy.StorageMap(key_order, strs, arrays, index_cls, info_cls, size_or_tuple)
 
     got = _cache[key] = (classes, g, size_type, memfmt, make_chunks, make_storage)
