@@ -27,8 +27,9 @@
  * formats _MEM_FORMAT_ENCODING 0..2 name; and, optionally, a 6th item
  * (lazy_min, make_chunks): a Metadata of at least lazy_min chunks in all has
  * each chunk list the stream shares nothing of (see lazy_chunks) made by
- * make_chunks(offsets, sizes, n, ndim) from two bytes objects of native int64
- * (n x ndim, row-major) instead of n ChunkStorageMetadata (_mdlazy.py). */
+ * make_chunks(offsets, sizes, n, ndim) from two read-only int64 arrays
+ * (n x ndim; views of the decoder's rows where it can) instead of n
+ * ChunkStorageMetadata (_mdlazy.py). */
 #include "module.h"
 #include "ss_mdread.h"
 #include "ss_numpy.h"
@@ -168,6 +169,22 @@ typedef struct stab {
     size_t htcap;
 } stab;
 
+/* Chunk rows of one ndim: offsets and sizes, n x ndim int64 each, the
+ * arrays a ChunkList views (lazy_chunks); lent: the memory is the base
+ * arrays' (bld.base) now. */
+typedef struct cbuf {
+    int64_t *off, *siz;
+    size_t n, cap;
+    int lent;
+} cbuf;
+
+/* Chunk rows g0 .. g0 + n - 1 (the ids fold_batch gave) are rows pos ..
+ * of cb[nd]: one run for a list's rows in a row, whatever its batches. */
+typedef struct crun {
+    size_t g0, pos, n;
+    uint32_t nd;
+} crun;
+
 typedef struct fold_name {
     const char *mod, *name; /* UTF-8 of the context's str keys */
     Py_ssize_t lmod, lname;
@@ -178,13 +195,12 @@ typedef struct mdfold {
     const char *data;
     fold_name names[12];
     int nnames;
-    int64_t *vals; /* row r: offsets then sizes, at roff[r], nd[r] each */
-    size_t nvals, vcap;
-    size_t *roff;
-    uint8_t *nd;
-    size_t nrows, rcap;
-    scols sc; /* the storage entries taken (row FOLD_SROW0 + i: entry i) */
-    stab st;  /* their strings */
+    cbuf cb[FOLD_NDIM_MAX + 1]; /* per ndim */
+    crun *runs;
+    size_t nruns, runcap;
+    size_t nrows; /* chunk rows in all */
+    scols sc;     /* the storage entries taken (row FOLD_SROW0 + i: entry i) */
+    stab st;      /* their strings */
     /* shared strings a folded chunk used as a state key, and the field
      * each names (mark_keys marks them as it marks the table's) */
     uint32_t keys[FOLD_KEYS_MAX];
@@ -195,8 +211,10 @@ typedef struct mdfold {
 typedef struct bld {
     const ss_md_result *r;
     mdfold *fold;
-    size_t rows_used;   /* chunk rows made into their lists so far */
-    size_t *kstart;     /* per fold->sc entry: its first dim (col_dims) */
+    size_t rows_used; /* chunk rows made into their lists so far */
+    size_t *kstart;   /* per fold->sc entry: its first dim (col_dims) */
+    size_t run;       /* the run row_at found last */
+    PyObject *base[FOLD_NDIM_MAX + 1][2]; /* cb[nd]'s arrays, once lent */
     ss_md_node no_node; /* what N() gives for a row id (kind 0xff) */
     const char *data;
     PyObject **cache; /* per share slot: the built value */
@@ -245,8 +263,37 @@ static int64_t srow_of(const bld *b, uint32_t i)
     return (int64_t)(r - FOLD_SROW0);
 }
 
+/* Chunk row g's ndim, offsets and sizes. */
+static uint32_t row_at(bld *b, size_t g, const int64_t **off,
+                       const int64_t **siz)
+{
+    const mdfold *f = b->fold;
+    const crun *u = &f->runs[b->run < f->nruns ? b->run : 0];
+    if (g < u->g0 || g - u->g0 >= u->n) {
+        size_t lo = 0, hi = f->nruns; /* the last run starting at or before g */
+        while (hi - lo > 1) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (f->runs[mid].g0 <= g)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        b->run = lo;
+        u = &f->runs[lo];
+    }
+    if (u->nd == 0) { /* no cells (and no buffer) */
+        static const int64_t none[1] = {0};
+        *off = *siz = none;
+        return 0;
+    }
+    *off = f->cb[u->nd].off + (u->pos + (g - u->g0)) * u->nd;
+    *siz = f->cb[u->nd].siz + (u->pos + (g - u->g0)) * u->nd;
+    return u->nd;
+}
+
 static PyObject *chunk_row(bld *b, uint32_t i);
 static void fold_drop_chunks(mdfold *f);
+static void drop_chunks(bld *b);
 static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd);
 
 static const uint32_t *kids(const bld *b, const ss_md_node *n)
@@ -1118,7 +1165,7 @@ static PyObject *build_metadata(bld *b, const fields *f)
             goto fail;
     }
     if (b->fold != NULL && b->fold->nrows && b->rows_used == b->fold->nrows)
-        fold_drop_chunks(b->fold);
+        drop_chunks(b);
     if (b->lazy && b->make_storage != NULL && f->has[F_STORAGE] &&
         lazy_storage(b, N(b, f->node[F_STORAGE]), &vals[F_STORAGE]) < 0)
         goto fail;
@@ -1158,12 +1205,11 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
         uint32_t n1, n2;
         fields f;
         if (is_row(b, ck[c])) {
-            size_t r = ck[c] & ~SS_MD_ROW_BIT;
-            const int64_t *v = b->fold->vals + b->fold->roff[r];
-            if (b->fold->nd[r] != nd)
+            const int64_t *vo, *vs;
+            if (row_at(b, ck[c] & ~SS_MD_ROW_BIT, &vo, &vs) != nd)
                 return -1;
             for (uint32_t k = 0; k < nd; k++) {
-                int64_t o = v[k], n = v[nd + k], s = ival(N(b, size[k]));
+                int64_t o = vo[k], n = vs[k], s = ival(N(b, size[k]));
                 if (o < 0 || n < 0 ||
                     (n != 0 &&
                      (s < 0 || (uint64_t)o + (uint64_t)n > (uint64_t)s)))
@@ -1212,42 +1258,99 @@ static int lazy_ok(bld *b, const ss_md_node *list)
     return 1;
 }
 
-/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits. */
+/* cb[nd]'s rows pos .. pos + n - 1 as two read-only (n, nd) views of its
+ * base arrays, made (the memory handed over) on first use; -1 on error. */
+static int row_views(bld *b, uint32_t nd, size_t pos, size_t n, PyObject **off,
+                     PyObject **siz)
+{
+    cbuf *c = &b->fold->cb[nd];
+    npy_intp dims[2] = {(npy_intp)n, (npy_intp)nd};
+    if (b->base[nd][0] == NULL) {
+        size_t cells = c->n * nd;
+        b->base[nd][0] = own_array((void **)&c->off, cells, 8, NPY_INT64);
+        b->base[nd][1] = b->base[nd][0]
+                             ? own_array((void **)&c->siz, cells, 8, NPY_INT64)
+                             : NULL;
+        c->lent = 1; /* the rest freed by fold_drop_chunks, if any */
+        if (b->base[nd][1] == NULL)
+            return -1;
+        c->off = PyArray_DATA((PyArrayObject *)b->base[nd][0]);
+        c->siz = PyArray_DATA((PyArrayObject *)b->base[nd][1]);
+    }
+    for (int j = 0; j < 2; j++) {
+        PyObject *base = b->base[nd][j];
+        int64_t *p = (int64_t *)PyArray_DATA((PyArrayObject *)base) + pos * nd;
+        PyObject *v = PyArray_New(&PyArray_Type, 2, dims, NPY_INT64, NULL, p, 0,
+                                  NPY_ARRAY_CARRAY_RO, NULL);
+        if (v == NULL ||
+            PyArray_SetBaseObject((PyArrayObject *)v, Py_NewRef(base)) < 0) {
+            Py_XDECREF(v);
+            if (j)
+                Py_CLEAR(*off);
+            return -1;
+        }
+        *(j ? siz : off) = v;
+    }
+    return 0;
+}
+
+/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits:
+ * read-only (n, ndim) int64 arrays, views of the rows where the list is
+ * rows in a row of one run (a large file's lists), else a copy. */
 static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
 {
     const uint32_t *ck = kids(b, list);
-    size_t cells = (size_t)list->b * nd;
-    PyObject *off = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8));
-    PyObject *len =
-        off ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8)) : NULL;
-    PyObject *out = NULL;
-    if (len != NULL) {
-        int64_t *po = (int64_t *)PyBytes_AS_STRING(off);
-        int64_t *pl = (int64_t *)PyBytes_AS_STRING(len);
-        for (uint32_t c = 0; c < list->b; c++) {
-            const uint32_t *d1, *d2;
-            uint32_t n1, n2;
-            fields f;
-            if (is_row(b, ck[c])) {
-                size_t r = ck[c] & ~SS_MD_ROW_BIT;
-                const int64_t *v = b->fold->vals + b->fold->roff[r];
-                memcpy(po + (size_t)c * nd, v, nd * sizeof *v);
-                memcpy(pl + (size_t)c * nd, v + nd, nd * sizeof *v);
-                b->rows_used++;
-                continue;
-            }
-            /* lazy_ok and chunks_inside checked every one of these */
-            (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
-            (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
-            (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
-            for (uint32_t k = 0; k < nd; k++) {
-                po[(size_t)c * nd + k] = ival(N(b, d1[k]));
-                pl[(size_t)c * nd + k] = ival(N(b, d2[k]));
-            }
-        }
-        out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
-                                    (unsigned)list->b, (unsigned)nd);
+    size_t n = list->b, g0 = n ? ck[0] & ~SS_MD_ROW_BIT : 0;
+    npy_intp dims[2] = {(npy_intp)n, (npy_intp)nd};
+    PyObject *off = NULL, *len = NULL, *out = NULL;
+    int view = n > 0 && nd > 0;
+    for (size_t c = 0; view && c < n; c++)
+        view = is_row(b, ck[c]) && (ck[c] & ~SS_MD_ROW_BIT) == g0 + c;
+    if (view) {
+        const int64_t *vo, *vs;
+        const crun *u;
+        (void)row_at(b, g0, &vo, &vs);
+        u = &b->fold->runs[b->run];
+        view = u->nd == nd && g0 + n - u->g0 <= u->n;
+        if (view && row_views(b, nd, u->pos + (g0 - u->g0), n, &off, &len) < 0)
+            return NULL;
     }
+    if (view) {
+        b->rows_used += n;
+    } else {
+        off = PyArray_SimpleNew(2, dims, NPY_INT64);
+        len = off ? PyArray_SimpleNew(2, dims, NPY_INT64) : NULL;
+        if (len == NULL)
+            goto out;
+        PyArray_CLEARFLAGS((PyArrayObject *)off, NPY_ARRAY_WRITEABLE);
+        PyArray_CLEARFLAGS((PyArrayObject *)len, NPY_ARRAY_WRITEABLE);
+    }
+    for (uint32_t c = 0; !view && c < list->b; c++) {
+        int64_t *po = (int64_t *)PyArray_DATA((PyArrayObject *)off) + c * nd;
+        int64_t *pl = (int64_t *)PyArray_DATA((PyArrayObject *)len) + c * nd;
+        const uint32_t *d1, *d2;
+        uint32_t n1, n2;
+        fields f;
+        if (is_row(b, ck[c])) {
+            const int64_t *vo, *vs;
+            (void)row_at(b, ck[c] & ~SS_MD_ROW_BIT, &vo, &vs);
+            memcpy(po, vo, nd * sizeof *vo);
+            memcpy(pl, vs, nd * sizeof *vs);
+            b->rows_used++;
+            continue;
+        }
+        /* lazy_ok and chunks_inside checked every one of these */
+        (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
+        (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
+        (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
+        for (uint32_t k = 0; k < nd; k++) {
+            po[k] = ival(N(b, d1[k]));
+            pl[k] = ival(N(b, d2[k]));
+        }
+    }
+    out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
+                                (unsigned)list->b, (unsigned)nd);
+out:
     Py_XDECREF(off);
     Py_XDECREF(len);
     return out;
@@ -1622,8 +1725,8 @@ static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd)
  * row was folded from (fold_chunk admits only that form). */
 static PyObject *chunk_row(bld *b, uint32_t r)
 {
-    const mdfold *fo = b->fold;
-    const int64_t *v = fo->vals + fo->roff[r];
+    const int64_t *vo, *vs;
+    uint32_t nd = row_at(b, r, &vo, &vs);
     b->rows_used++;
     PyObject *vals[NFIELDS] = {0};
     fields f;
@@ -1632,9 +1735,8 @@ static PyObject *chunk_row(bld *b, uint32_t r)
     f.order[0] = F_OFFSETS;
     f.order[1] = F_SIZES;
     f.has[F_OFFSETS] = f.has[F_SIZES] = 1;
-    vals[F_OFFSETS] = size_from(b, v, fo->nd[r]);
-    vals[F_SIZES] =
-        vals[F_OFFSETS] ? size_from(b, v + fo->nd[r], fo->nd[r]) : NULL;
+    vals[F_OFFSETS] = size_from(b, vo, nd);
+    vals[F_SIZES] = vals[F_OFFSETS] ? size_from(b, vs, nd) : NULL;
     if (vals[F_SIZES] == NULL) {
         Py_XDECREF(vals[F_OFFSETS]);
         return NULL;
@@ -1877,7 +1979,7 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
                       const uint32_t *items, size_t n, uint32_t *row0)
 {
     mdfold *f = ctx;
-    size_t need = 0, rcap = f->rcap;
+    size_t need = 0;
     int keys = 0;
     if (t->nodes[ci].kind == SS_MD_DICT) {
         srow r;
@@ -1908,29 +2010,51 @@ static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
     }
     if (t->nodes[ci].kind != SS_MD_LIST)
         return 0;
-    for (size_t k = 0; k < n; k++) {
-        int nd = fold_chunk(f, t, items[k], NULL);
-        if (nd < 0)
+    {
+        size_t cnt[FOLD_NDIM_MAX + 1] = {0};
+        int64_t tmp[2 * FOLD_NDIM_MAX];
+        for (size_t k = 0; k < n; k++) {
+            int nd = fold_chunk(f, t, items[k], NULL);
+            if (nd < 0)
+                return 0;
+            cnt[nd]++;
+        }
+        /* room for the keys it may record: at most two new a batch */
+        for (int k = 0; k < 2; k++)
+            keys += f->nkeys + k < FOLD_KEYS_MAX;
+        if (keys < 2 || f->nrows + n >= FOLD_SROW0)
             return 0;
-        need += 2 * (size_t)nd;
-    }
-    /* room for the keys it may record: at most two new a batch */
-    for (int k = 0; k < 2; k++)
-        keys += f->nkeys + k < FOLD_KEYS_MAX;
-    if (keys < 2 || f->nrows + n >= FOLD_SROW0)
-        return 0;
-    if (fold_grow((void **)&f->vals, &f->vcap, f->nvals + need,
-                  sizeof *f->vals) < 0 ||
-        fold_grow((void **)&f->roff, &rcap, f->nrows + n, sizeof *f->roff) <
-            0 ||
-        fold_grow((void **)&f->nd, &f->rcap, f->nrows + n, sizeof *f->nd) < 0)
-        return SS_ENOMEM;
-    *row0 = (uint32_t)f->nrows;
-    for (size_t k = 0; k < n; k++) {
-        int nd = fold_chunk(f, t, items[k], f->vals + f->nvals);
-        f->roff[f->nrows] = f->nvals;
-        f->nd[f->nrows++] = (uint8_t)nd;
-        f->nvals += 2 * (size_t)nd;
+        for (int d = 1; d <= FOLD_NDIM_MAX; d++) {
+            cbuf *c = &f->cb[d];
+            size_t cap = c->cap;
+            if (cnt[d] == 0)
+                continue;
+            if (fold_grow((void **)&c->off, &cap, c->n + cnt[d],
+                          (size_t)d * sizeof *c->off) < 0 ||
+                fold_grow((void **)&c->siz, &c->cap, c->n + cnt[d],
+                          (size_t)d * sizeof *c->siz) < 0)
+                return SS_ENOMEM;
+        }
+        if (fold_grow((void **)&f->runs, &f->runcap, f->nruns + n,
+                      sizeof *f->runs) < 0)
+            return SS_ENOMEM;
+        *row0 = (uint32_t)f->nrows;
+        for (size_t k = 0; k < n; k++) {
+            int nd = fold_chunk(f, t, items[k], tmp);
+            cbuf *c = &f->cb[nd];
+            crun *u = f->nruns ? &f->runs[f->nruns - 1] : NULL;
+            if (nd > 0) {
+                memcpy(c->off + c->n * (size_t)nd, tmp, (size_t)nd * 8);
+                memcpy(c->siz + c->n * (size_t)nd, tmp + nd, (size_t)nd * 8);
+            }
+            if (u != NULL && u->nd == (uint32_t)nd &&
+                u->g0 + u->n == f->nrows && u->pos + u->n == c->n)
+                u->n++;
+            else
+                f->runs[f->nruns++] = (crun){f->nrows, c->n, 1, (uint32_t)nd};
+            c->n++;
+            f->nrows++;
+        }
     }
     return 1;
 }
@@ -1980,9 +2104,7 @@ static int fold_prepare(mdfold *f, PyObject *ctx, const char *data)
 
 static void fold_free(mdfold *f)
 {
-    PyMem_RawFree(f->vals);
-    PyMem_RawFree(f->roff);
-    PyMem_RawFree(f->nd);
+    fold_drop_chunks(f);
     scols_free(&f->sc);
     PyMem_RawFree(f->st.s);
     PyMem_RawFree(f->st.ht);
@@ -1993,13 +2115,28 @@ static void fold_free(mdfold *f)
  * ours" from then on (is_row). */
 static void fold_drop_chunks(mdfold *f)
 {
-    PyMem_RawFree(f->vals);
-    PyMem_RawFree(f->roff);
-    PyMem_RawFree(f->nd);
-    f->vals = NULL;
-    f->roff = NULL;
-    f->nd = NULL;
-    f->nvals = f->vcap = f->nrows = f->rcap = 0;
+    for (int d = 0; d <= FOLD_NDIM_MAX; d++) {
+        if (!f->cb[d].lent) {
+            PyMem_RawFree(f->cb[d].off);
+            PyMem_RawFree(f->cb[d].siz);
+        }
+        memset(&f->cb[d], 0, sizeof f->cb[d]);
+    }
+    PyMem_RawFree(f->runs);
+    f->runs = NULL;
+    f->nruns = f->runcap = f->nrows = 0;
+}
+
+/* The chunk rows dropped (fold_drop_chunks) and the base arrays let go:
+ * what a ChunkList views stays with it. */
+static void drop_chunks(bld *b)
+{
+    for (int d = 0; d <= FOLD_NDIM_MAX; d++) {
+        Py_CLEAR(b->base[d][0]);
+        Py_CLEAR(b->base[d][1]);
+    }
+    if (b->fold != NULL)
+        fold_drop_chunks(b->fold);
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -2091,6 +2228,7 @@ out:
     PyMem_Free(b.active);
     PyMem_Free(b.keyof);
     PyMem_Free(b.kstart);
+    drop_chunks(&b);
     Py_XDECREF(b.empty);
     for (int j = 0; j < NFIELDS; j++)
         Py_XDECREF(b.names[j]);

@@ -112,10 +112,10 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     chunk_cls = _md.ChunkStorageMetadata
     size_or_tuple = size_type if size_type is not None else tuple
 
-    def make_chunks(off: bytes, sizes: bytes, count: int, ndim: int) -> _mdlazy.ChunkList:
-        o = np.frombuffer(off, np.int64).reshape(count, ndim)
-        n = np.frombuffer(sizes, np.int64).reshape(count, ndim)
-        return _mdlazy.ChunkList(o, n, chunk_cls, size_or_tuple)
+    def make_chunks(off: np.ndarray, sizes: np.ndarray, count: int,
+                    ndim: int) -> _mdlazy.ChunkList:
+        # read-only (count, ndim) int64: views of C's rows or a copy
+        return _mdlazy.ChunkList(off, sizes, chunk_cls, size_or_tuple)
 
     index_cls, info_cls = _md.MetadataIndex, _md._StorageInfo
 
