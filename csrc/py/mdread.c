@@ -724,7 +724,9 @@ static int scols_reserve(scols *c, size_t n, size_t nko)
         }
         c->cap = cap;
     }
-    return fold_grow((void **)&c->ko, &c->kocap, c->nko + nko, sizeof *c->ko);
+    /* one more: ko is never NULL (memcpy, pointer sums) */
+    return fold_grow((void **)&c->ko, &c->kocap, c->nko + nko + 1,
+                     sizeof *c->ko);
 }
 
 static void scols_free(scols *c)
