@@ -616,8 +616,13 @@ def test_folded_storage_rows_copied_or_kept(monkeypatch: pytest.MonkeyPatch) -> 
     storage_data stays nodes between folded ones (an fqn the stream fetches
     again later), so the compact form is a copy mixing rows and nodes."""
     def entries(n: int, tag: str) -> dict[Any, Any]:
-        return {tmd.MetadataIndex("".join([tag, str(i % 5)]), torch.Size([i, 1]), i % 2 or None):
-                _StorageInfo("".join(["p", str(i % 3)]), i, 9) for i in range(n)}
+        out = {}
+        for i in range(n):
+            key = tmd.MetadataIndex("".join([tag, str(i % 5)]), torch.Size([i, 1]), i % 2 or None)
+            info = out[key] = _StorageInfo("".join(["p", str(i % 3)]), i, 9)
+            if i % 3 == 0:
+                info.shardstate_crc32 = 2**32 - 1 - i if i % 2 else None
+        return out
     storage = entries(4000, "s")
     later = next(k.fqn for k in list(storage)[2500:2501])  # in the third batch
     md = tmd.Metadata({}, {"other": entries(1500, "o")}, storage,

@@ -148,7 +148,8 @@ typedef struct scols {
     int32_t *fid, *pid;
     uint8_t *flags, *kord;
     int8_t *nd;
-    int64_t *kidx, *off, *len, *crc;
+    int64_t *kidx, *off, *len;
+    uint32_t *crc;
     size_t n, cap;
     int64_t *ko;
     size_t nko, kocap;
@@ -709,7 +710,7 @@ static int scols_reserve(scols *c, size_t n, size_t nko)
     void **col[9] = {(void **)&c->fid,  (void **)&c->pid, (void **)&c->flags,
                      (void **)&c->kord, (void **)&c->nd,  (void **)&c->kidx,
                      (void **)&c->off,  (void **)&c->len, (void **)&c->crc};
-    static const size_t width[9] = {4, 4, 1, 1, 1, 8, 8, 8, 8};
+    static const size_t width[9] = {4, 4, 1, 1, 1, 8, 8, 8, 4};
     if (c->n + n > c->cap) {
         size_t cap = c->cap ? c->cap : 1024;
         while (cap < c->n + n)
@@ -772,9 +773,7 @@ static int col_push(scols *c, stab *t, const char *data,
     c->kidx[p] = r->flags & SD_IDX_NONE ? 0 : r->kidx;
     c->off[p] = r->off;
     c->len[p] = r->len;
-    c->crc[p] = r->flags & SD_HAS_CRC && !(r->flags & SD_CRC_NONE)
-                    ? (int64_t)r->crc
-                    : 0;
+    c->crc[p] = r->flags & SD_HAS_CRC && !(r->flags & SD_CRC_NONE) ? r->crc : 0;
     for (int j = 0; j < r->kndim; j++)
         c->ko[c->nko++] = dims[j];
     c->n++;
@@ -862,7 +861,7 @@ static PyObject *info_row(bld *b, size_t p)
     if (f.n == 4)
         vals[F_CRC] = c->flags[p] & SD_CRC_NONE
                           ? Py_NewRef(Py_None)
-                          : PyLong_FromLongLong(c->crc[p]);
+                          : PyLong_FromUnsignedLong(c->crc[p]);
     for (int j = 0; j < f.n; j++) {
         f.has[f.order[j]] = 1;
         if (vals[f.order[j]] == NULL) {
@@ -962,7 +961,7 @@ static int cols_rotate(scols *c, size_t k, size_t kd)
 {
     void *col[10] = {c->fid,  c->pid, c->flags, c->kord, c->nd,
                      c->kidx, c->off, c->len,   c->crc,  c->ko};
-    static const size_t width[10] = {4, 4, 1, 1, 1, 8, 8, 8, 8, 8};
+    static const size_t width[10] = {4, 4, 1, 1, 1, 8, 8, 8, 4, 8};
     char *tmp = PyMem_Malloc(k * 8 > kd * 8 ? k * 8 + 1 : kd * 8 + 1);
     if (tmp == NULL)
         return -1;
@@ -1001,10 +1000,10 @@ static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
     int64_t dv[FOLD_NDIM_MAX];
     int fqn_first = -1, offpos = -1, korder[3], whole, rc = -1;
     PyObject *strs = NULL, *order = NULL, *arr[9] = {0};
-    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 8};
+    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 4};
     static const int type[9] = {NPY_INT32, NPY_INT32, NPY_UINT8,
                                 NPY_INT8,  NPY_INT64, NPY_INT64,
-                                NPY_INT64, NPY_INT64, NPY_INT64};
+                                NPY_INT64, NPY_INT64, NPY_UINT32};
 
     *out = NULL;
     memset(&own, 0, sizeof own);

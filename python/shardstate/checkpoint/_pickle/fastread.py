@@ -54,7 +54,7 @@ _cache: dict[bool, tuple[Any, ...] | None] = {}
 # (read-only arrays of these types, owning the memory C filled).
 _STORAGE_COLS = (("fid", np.int32), ("pid", np.int32), ("flags", np.uint8), ("kndim", np.int8),
                  ("koff", np.int64), ("kidx", np.int64), ("off", np.int64), ("len", np.int64),
-                 ("crc", np.int64))
+                 ("crc", np.uint32))
 
 
 def _plain_attrs(cls: type, names: frozenset[str]) -> bool:
