@@ -607,3 +607,62 @@ def test_folded_chunk_batches_agree(torch_loaded: bool, monkeypatch: pytest.Monk
     for k, v in ref.storage_data.items():
         assert sd[k] == v
     assert dict(sd.items()) == ref.storage_data
+
+
+def test_folded_storage_rows_copied_or_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """storage_data's rows are handed over as the columns only where they are
+    all the folded entries, in order: here planner_data holds a dict of
+    entries folded too (made eagerly from its rows), and a batch of
+    storage_data stays nodes between folded ones (an fqn the stream fetches
+    again later), so the compact form is a copy mixing rows and nodes."""
+    def entries(n: int, tag: str) -> dict[Any, Any]:
+        out = {}
+        for i in range(n):
+            key = tmd.MetadataIndex("".join([tag, str(i % 5)]), torch.Size([i, 1]), i % 2 or None)
+            info = out[key] = _StorageInfo("".join(["p", str(i % 3)]), i, 9)
+            if i % 3 == 0:
+                info.shardstate_crc32 = 2**32 - 1 - i if i % 2 else None
+        return out
+    storage = entries(4000, "s")
+    later = next(k.fqn for k in list(storage)[2500:2501])  # in the third batch
+    md = tmd.Metadata({}, {"other": entries(1500, "o")}, storage,
+                      tmd.StorageMeta(checkpoint_id="c", save_id=later))
+    data = pickle.dumps(md)
+    got = check(data, served=True)
+    assert type(got.storage_data) is dict and len(got.storage_data) == 4000
+    monkeypatch.setattr(_mdlazy, "LAZY_MIN", 0)
+    lazy, ref = fastread._fast(data), _pickle._reference(data)
+    sd = lazy.storage_data
+    assert type(sd) is _mdlazy.StorageMap and len(sd) == 4000
+    assert not sd._a["fid"].flags.writeable
+    assert dict(sd.items()) == ref.storage_data and lazy.planner_data == ref.planner_data
+    assert [k.fqn for k in sd] == [k.fqn for k in ref.storage_data]
+    assert lazy.storage_meta.save_id is list(sd)[2500].fqn
+
+
+def test_compact_chunk_lists_view_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compact chunk list whose chunks were all folded, one after another,
+    is a view of the rows (no copy); one mixing nodes (the stream's first
+    batch, which makes the key names the rest fetch) and rows is a copy;
+    chunks of no dims have no cells. All equal the reference's lists."""
+    def tensor(n: int, nd: int) -> Any:
+        cs = [tmd.ChunkStorageMetadata(torch.Size([i] * nd), torch.Size([1] * nd))
+              for i in range(n)]
+        return tmd.TensorStorageMetadata(tmd.TensorProperties(torch.float32),
+                                         torch.Size([n] * nd), cs)
+    md = tmd.Metadata({"a": tensor(1500, 2), "b": tensor(1200, 2), "c": tensor(1100, 0),
+                       "d": tensor(3, 3)})
+    data = pickle.dumps(md)
+    check(data, served=True)
+    monkeypatch.setattr(_mdlazy, "LAZY_MIN", 1)
+    lazy, ref = fastread._fast(data), _pickle._reference(data)
+    got = {k: v.chunks for k, v in lazy.state_dict_metadata.items()}
+    assert all(type(v) is _mdlazy.ChunkList for v in got.values())
+    for k, v in got.items():
+        off, sizes = v.arrays()
+        assert not off.flags.writeable and not sizes.flags.writeable
+        assert v == ref.state_dict_metadata[k].chunks
+    assert got["a"].arrays()[0].base is None  # nodes and rows: copied
+    assert got["b"].arrays()[0].base is not None  # rows only: a view
+    assert got["b"].arrays()[0][:, 0].tolist() == list(range(1200))
+    assert got["c"].arrays()[0].shape == (1100, 0)

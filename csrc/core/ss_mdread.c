@@ -609,6 +609,7 @@ static int flatten(dec *s)
         ss_md_node *n = &r->nodes[i];
         uint32_t g;
         size_t total = 0;
+        int contiguous = 1;
         if (n->kind != SS_MD_LIST && n->kind != SS_MD_DICT)
             continue;
         g = n->a;
@@ -618,8 +619,15 @@ static int flatten(dec *s)
             continue;
         }
         n->c = 0;
-        for (uint32_t h = g; h; h = s->segs[h - 1].next)
+        for (uint32_t h = g; h; h = s->segs[h - 1].next) {
+            if (s->segs[h - 1].off != s->segs[g - 1].off + total)
+                contiguous = 0;
             total += s->segs[h - 1].count;
+        }
+        if (contiguous) { /* batches with nothing between: one run already */
+            n->a = (uint32_t)s->segs[g - 1].off;
+            continue;
+        }
         if (s->ntmp + total >= UINT32_MAX)
             return refuse(s, SS_ERANGE, s->p, "too many items");
         if (grow((void **)&s->tmp, &s->tcap, s->ntmp + total, sizeof *s->tmp) <

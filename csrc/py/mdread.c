@@ -27,10 +27,12 @@
  * formats _MEM_FORMAT_ENCODING 0..2 name; and, optionally, a 6th item
  * (lazy_min, make_chunks): a Metadata of at least lazy_min chunks in all has
  * each chunk list the stream shares nothing of (see lazy_chunks) made by
- * make_chunks(offsets, sizes, n, ndim) from two bytes objects of native int64
- * (n x ndim, row-major) instead of n ChunkStorageMetadata (_mdlazy.py). */
+ * make_chunks(offsets, sizes, n, ndim) from two read-only int64 arrays
+ * (n x ndim; views of the decoder's rows where it can) instead of n
+ * ChunkStorageMetadata (_mdlazy.py). */
 #include "module.h"
 #include "ss_mdread.h"
+#include "ss_numpy.h"
 
 #include <string.h>
 
@@ -122,19 +124,67 @@ static const int8_t known[NCLS][6] = {
 /* Row ids of storage entries start here (chunks' below). */
 #define FOLD_SROW0 0x40000000u
 
-/* A storage entry (MetadataIndex -> _StorageInfo) folded: the strings as a
- * node index (a shared one: older than the batch, it stays) or, with
- * SD_FQN_FRESH / SD_PATH_FRESH, as (offset, length) in the data. */
-typedef struct srow { /* 48 bytes: 2,000,000 of them in a large file */
+/* A storage entry (MetadataIndex -> _StorageInfo) as fold_entry reads it:
+ * the strings as a node index (a shared one: older than the batch, it
+ * stays) or, with SD_FQN_FRESH / SD_PATH_FRESH, as (offset, length) in the
+ * data. Only ever one at a time: entries go to the columns (scols). */
+typedef struct srow {
     int64_t kidx, off, len;
     uint32_t fqn, path;
-    uint32_t koff; /* the key's offset dims in mdfold.svals */
     uint32_t crc;
     uint16_t fqn_len, path_len;
     uint8_t flags; /* SD_* */
     int8_t kndim;  /* -1: the offset is None or absent */
     uint8_t kord;  /* the key's fields in order: 2 bits each (KF_*) */
 } srow;
+
+/* Storage entries as the columns make_storage gets (fastread.py's
+ * _STORAGE_COLS: fid pid flags kndim koff kidx off len crc; koff holds
+ * the keys' offset dims one after another), plus each key's field order
+ * (kord, srow's). fold_batch appends to one set as the decoder goes, so a
+ * large storage_data's entries are never nodes, nor rows to copy: the
+ * arrays are handed to NumPy as they are (own_array). */
+typedef struct scols {
+    int32_t *fid, *pid;
+    uint8_t *flags, *kord;
+    int8_t *nd;
+    int64_t *kidx, *off, *len;
+    uint32_t *crc;
+    size_t n, cap;
+    int64_t *ko;
+    size_t nko, kocap;
+} scols;
+
+/* The entries' strings (fqns, paths), each once: a shared one by its node
+ * (one object per share slot, as value() makes it), a fresh one by its
+ * bytes; (at, len) in the data either way. The ids are fid / pid. */
+typedef struct sstr {
+    uint32_t at, len, node; /* node: SSTR_FRESH for a fresh string */
+} sstr;
+#define SSTR_FRESH UINT32_MAX
+
+typedef struct stab {
+    sstr *s;
+    size_t n, cap;
+    uint32_t *ht; /* id + 1, or 0 */
+    size_t htcap;
+} stab;
+
+/* Chunk rows of one ndim: offsets and sizes, n x ndim int64 each, the
+ * arrays a ChunkList views (lazy_chunks); lent: the memory is the base
+ * arrays' (bld.base) now. */
+typedef struct cbuf {
+    int64_t *off, *siz;
+    size_t n, cap;
+    int lent;
+} cbuf;
+
+/* Chunk rows g0 .. g0 + n - 1 (the ids fold_batch gave) are rows pos ..
+ * of cb[nd]: one run for a list's rows in a row, whatever its batches. */
+typedef struct crun {
+    size_t g0, pos, n;
+    uint32_t nd;
+} crun;
 
 typedef struct fold_name {
     const char *mod, *name; /* UTF-8 of the context's str keys */
@@ -146,15 +196,12 @@ typedef struct mdfold {
     const char *data;
     fold_name names[12];
     int nnames;
-    int64_t *vals; /* row r: offsets then sizes, at roff[r], nd[r] each */
-    size_t nvals, vcap;
-    size_t *roff;
-    uint8_t *nd;
-    size_t nrows, rcap;
-    srow *srows;
-    size_t nsrows, scap;
-    int64_t *svals; /* the storage keys' offset dims (srow.koff) */
-    size_t nsvals, svcap;
+    cbuf cb[FOLD_NDIM_MAX + 1]; /* per ndim */
+    crun *runs;
+    size_t nruns, runcap;
+    size_t nrows; /* chunk rows in all */
+    scols sc;     /* the storage entries taken (row FOLD_SROW0 + i: entry i) */
+    stab st;      /* their strings */
     /* shared strings a folded chunk used as a state key, and the field
      * each names (mark_keys marks them as it marks the table's) */
     uint32_t keys[FOLD_KEYS_MAX];
@@ -165,7 +212,10 @@ typedef struct mdfold {
 typedef struct bld {
     const ss_md_result *r;
     mdfold *fold;
-    size_t rows_used;   /* chunk rows made into their lists so far */
+    size_t rows_used; /* chunk rows made into their lists so far */
+    size_t *kstart;   /* per fold->sc entry: its first dim (col_dims) */
+    size_t run;       /* the run row_at found last */
+    PyObject *base[FOLD_NDIM_MAX + 1][2]; /* cb[nd]'s arrays, once lent */
     ss_md_node no_node; /* what N() gives for a row id (kind 0xff) */
     const char *data;
     PyObject **cache; /* per share slot: the built value */
@@ -204,18 +254,47 @@ static int is_row(const bld *b, uint32_t i)
            (i & ~SS_MD_ROW_BIT) < b->fold->nrows;
 }
 
-/* A storage entry's row (its index in fold->srows), or -1. */
+/* A storage entry's row (its index in fold->sc), or -1. */
 static int64_t srow_of(const bld *b, uint32_t i)
 {
     uint32_t r = i & ~SS_MD_ROW_BIT;
     if (!(i & SS_MD_ROW_BIT) || b->fold == NULL || r < FOLD_SROW0 ||
-        r - FOLD_SROW0 >= b->fold->nsrows)
+        r - FOLD_SROW0 >= b->fold->sc.n)
         return -1;
     return (int64_t)(r - FOLD_SROW0);
 }
 
+/* Chunk row g's ndim, offsets and sizes. */
+static uint32_t row_at(bld *b, size_t g, const int64_t **off,
+                       const int64_t **siz)
+{
+    const mdfold *f = b->fold;
+    const crun *u = &f->runs[b->run < f->nruns ? b->run : 0];
+    if (g < u->g0 || g - u->g0 >= u->n) {
+        size_t lo = 0, hi = f->nruns; /* the last run starting at or before g */
+        while (hi - lo > 1) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (f->runs[mid].g0 <= g)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        b->run = lo;
+        u = &f->runs[lo];
+    }
+    if (u->nd == 0) { /* no cells (and no buffer) */
+        static const int64_t none[1] = {0};
+        *off = *siz = none;
+        return 0;
+    }
+    *off = f->cb[u->nd].off + (u->pos + (g - u->g0)) * u->nd;
+    *siz = f->cb[u->nd].siz + (u->pos + (g - u->g0)) * u->nd;
+    return u->nd;
+}
+
 static PyObject *chunk_row(bld *b, uint32_t i);
 static void fold_drop_chunks(mdfold *f);
+static void drop_chunks(bld *b);
 static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd);
 
 static const uint32_t *kids(const bld *b, const ss_md_node *n)
@@ -553,432 +632,462 @@ static int key_order(const fields *f, int *fqn_first, int *offpos)
     return 0;
 }
 
-typedef struct sdb {
-    PyObject *strs;   /* the strings, each once (per share slot, or value) */
-    PyObject *fresh;  /* {str: id} of the unshared strings */
-    uint32_t *slotid; /* per share slot: string id + 1, or 0 */
-} sdb;
-
-/* The id in s->strs of the string node i (STR, checked); -1 on error. */
-static Py_ssize_t str_id(bld *b, sdb *s, uint32_t i, int *fresh)
-{
-    const ss_md_node *n = N(b, i);
-    PyObject *v, *hit;
-    Py_ssize_t id;
-    if (n->share && s->slotid[n->share]) {
-        *fresh = 0;
-        return (Py_ssize_t)s->slotid[n->share] - 1;
-    }
-    if ((v = value(b, i)) == NULL)
-        return -1;
-    *fresh = n->share == 0;
-    if (*fresh && (hit = PyDict_GetItemWithError(s->fresh, v)) != NULL) {
-        Py_DECREF(v);
-        return PyLong_AsSsize_t(hit);
-    }
-    id = PyList_GET_SIZE(s->strs);
-    if (PyErr_Occurred() || PyList_Append(s->strs, v) < 0) {
-        Py_DECREF(v);
-        return -1;
-    }
-    if (*fresh) {
-        PyObject *k = PyLong_FromSsize_t(id);
-        int rc = k ? PyDict_SetItem(s->fresh, v, k) : -1;
-        Py_XDECREF(k);
-        if (rc < 0)
-            id = -1;
-    } else {
-        s->slotid[n->share] = (uint32_t)id + 1;
-    }
-    Py_DECREF(v);
-    return id;
-}
-
-/* Whether entry p's key (fqn, offset) equals entry q's (the dict's key
- * equality: MetadataIndex compares fqn and offset). */
-static int same_key(bld *b, const uint32_t *fq, const int8_t *nd,
-                    const int64_t *ko, const size_t *ks, size_t p, size_t q)
-{
-    const ss_md_node *a = N(b, fq[p]), *c = N(b, fq[q]);
-    if (a->b != c->b || memcmp(b->data + a->a, b->data + c->a, a->b) != 0 ||
-        nd[p] != nd[q])
-        return 0;
-    for (int k = 0; k < nd[p]; k++)
-        if (ko[ks[p] + k] != ko[ks[q] + k])
-            return 0;
-    return 1;
-}
-
-static uint64_t key_hash(bld *b, uint32_t fqn, int nd, const int64_t *dims)
-{
-    const ss_md_node *n = N(b, fqn);
-    const unsigned char *c = (const unsigned char *)b->data + n->a;
-    uint64_t h = 1469598103934665603ull;
-    for (uint32_t k = 0; k < n->b; k++)
-        h = (h ^ c[k]) * 1099511628211ull;
-    h = (h ^ (uint64_t)(nd + 1)) * 1099511628211ull;
-    for (int k = 0; k < nd; k++)
-        h = (h ^ (uint64_t)dims[k]) * 1099511628211ull;
-    return h ^ (h >> 29);
-}
-
-/* storage_data (dict node d) as make_storage(key_order, strings, columns...)'s
- * compact form, in *out, where every entry is a MetadataIndex {fqn, offset,
- * index} (the 3 fields in one order for all keys) -> _StorageInfo
- * {relative_path, offset, length[, shardstate_crc32]} (in that order;
- * build_index's and build_storage_info's checks) and the stream
- * shares no key, info or offset Size (strings may be shared: each string
- * is one object per share slot, as value() makes it); a key met twice
- * (which the dict walk leaves to the reference) fails. 0 with *out NULL
- * for any other dict (the walk makes it), -1 with *out NULL: not ours. */
 static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
                       uint32_t vi, srow *r, int64_t *dims, int record);
 
-/* Entry p of storage dict kids k as a row: its folded row, or one made
- * into *tmp (its dims at tdims) from its nodes in fold_entry's form; NULL
- * if neither. *dv: its key offset's dims. */
-static const srow *entry_row(bld *b, const uint32_t *k, size_t p, srow *tmp,
-                             int64_t *tdims, const int64_t **dv)
+static int fold_grow(void **a, size_t *cap, size_t need, size_t elem)
 {
-    int64_t r = srow_of(b, k[2 * p]);
-    if (r >= 0) {
-        if (srow_of(b, k[2 * p + 1]) != r)
-            return NULL;
-        *dv = b->fold->svals + b->fold->srows[r].koff;
-        return &b->fold->srows[r];
-    }
-    if (fold_entry((mdfold *)b->fold, b->r, k[2 * p], k[2 * p + 1], tmp, tdims,
-                   0) < 0)
-        return NULL;
-    *dv = tdims;
-    return tmp;
-}
-
-/* str_id for a fresh string of the data (a folded entry's). */
-static Py_ssize_t str_id_data(bld *b, sdb *s, uint32_t at, uint32_t len)
-{
-    PyObject *v =
-        PyUnicode_DecodeUTF8(b->data + at, (Py_ssize_t)len, "surrogatepass");
-    PyObject *hit, *k;
-    Py_ssize_t id;
-    int rc;
-    if (v == NULL)
+    size_t n = *cap ? *cap : 1024;
+    void *p;
+    if (need <= *cap)
+        return 0;
+    while (n < need)
+        n *= 2;
+    if (n > PY_SSIZE_T_MAX / elem ||
+        (p = PyMem_RawRealloc(*a, n * elem)) == NULL)
         return -1;
-    if ((hit = PyDict_GetItemWithError(s->fresh, v)) != NULL) {
-        Py_DECREF(v);
-        return PyLong_AsSsize_t(hit);
-    }
-    id = PyList_GET_SIZE(s->strs);
-    k = PyErr_Occurred() ? NULL : PyLong_FromSsize_t(id);
-    rc = k != NULL && PyList_Append(s->strs, v) == 0 &&
-                 PyDict_SetItem(s->fresh, v, k) == 0
-             ? 0
-             : -1;
-    Py_XDECREF(k);
-    Py_DECREF(v);
-    return rc < 0 ? -1 : id;
+    *a = p;
+    *cap = n;
+    return 0;
 }
 
-/* A folded entry's fqn bytes. */
-static const char *srow_fqn(const bld *b, const srow *r, uint32_t *len)
+static uint64_t fnv(const char *p, size_t n)
 {
-    const ss_md_node *n;
-    if (r->flags & SD_FQN_FRESH) {
-        *len = r->fqn_len;
-        return b->data + r->fqn;
-    }
-    n = N(b, r->fqn);
-    *len = n->b;
-    return b->data + n->a;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t k = 0; k < n; k++)
+        h = (h ^ (unsigned char)p[k]) * 1099511628211ull;
+    return h;
 }
 
-/* lazy_storage over a dict whose every entry was folded (fold_entry
- * admitted exactly lazy_storage's pass 1 forms): the same columns. 0 with
- * *out NULL: not all rows (the walk makes the dict), -1: not ours. */
-static int lazy_storage_rows(bld *b, const ss_md_node *d, PyObject **out)
+static uint64_t sstr_hash(const char *data, const sstr *e)
 {
-    const uint32_t *k = kids(b, d);
-    size_t n = d->b, dims = 0, cap = 1;
-    sdb s = {0};
-    uint32_t *ht = NULL;
-    PyObject *arr[9] = {0}, *order = NULL;
-    int fqn_first = -1, offpos = -1, korder[3], rc = 0;
+    uint64_t h = e->node == SSTR_FRESH
+                     ? fnv(data + e->at, e->len)
+                     : ((uint64_t)e->node + 1) * 0x9E3779B97F4A7C15ull;
+    return h ^ (h >> 29);
+}
 
-    *out = NULL;
-    for (size_t p = 0; p < n; p++) {
-        srow tmp;
-        int64_t tdims[FOLD_NDIM_MAX];
-        const int64_t *dv;
-        const srow *r = entry_row(b, k, p, &tmp, tdims, &dv);
-        fields f;
-        if (r == NULL)
-            return 0;
-        f.n = srow_kn(r);
-        for (int j = 0; j < f.n; j++)
-            f.order[j] = (int8_t)srow_kord(r, j);
-        if (key_order(&f, &fqn_first, &offpos) < 0)
-            return 0;
-        dims += r->kndim > 0 ? (size_t)r->kndim : 0;
+/* The id of string e in t, added if new; -1: no memory (or ids). Plain C
+ * (fold_batch runs without the GIL). */
+static int64_t stab_id(stab *t, const char *data, const sstr *e)
+{
+    size_t m;
+    if (2 * (t->n + 1) > t->htcap) {
+        size_t cap = t->htcap ? 2 * t->htcap : 64;
+        uint32_t *ht = PyMem_RawCalloc(cap, sizeof *ht);
+        if (ht == NULL)
+            return -1;
+        for (size_t i = 0; i < t->n; i++) {
+            for (m = sstr_hash(data, &t->s[i]) & (cap - 1); ht[m];
+                 m = (m + 1) & (cap - 1))
+                ;
+            ht[m] = (uint32_t)i + 1;
+        }
+        PyMem_RawFree(t->ht);
+        t->ht = ht;
+        t->htcap = cap;
     }
-    while (cap < 2 * n)
-        cap <<= 1;
-    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 8};
-    size_t len[9] = {n, n, n, n, dims, n, n, n, n};
-    for (int j = 0; j < 9; j++)
-        if ((arr[j] = PyBytes_FromStringAndSize(
-                 NULL, (Py_ssize_t)(len[j] * width[j]))) == NULL)
-            goto fail;
-    s.strs = PyList_New(0);
-    s.fresh = PyDict_New();
-    s.slotid = PyMem_Calloc((size_t)b->r->shared + 1, sizeof *s.slotid);
-    ht = PyMem_Calloc(cap, sizeof *ht);
-    if (s.strs == NULL || s.fresh == NULL || s.slotid == NULL || ht == NULL) {
-        PyErr_NoMemory();
-        goto fail;
+    for (m = sstr_hash(data, e) & (t->htcap - 1); t->ht[m];
+         m = (m + 1) & (t->htcap - 1)) {
+        const sstr *q = &t->s[t->ht[m] - 1];
+        if (q->node == e->node &&
+            (e->node != SSTR_FRESH ||
+             (q->len == e->len &&
+              memcmp(data + q->at, data + e->at, e->len) == 0)))
+            return t->ht[m] - 1;
     }
-    {
-        int32_t *fid = (int32_t *)PyBytes_AS_STRING(arr[0]);
-        int32_t *pid = (int32_t *)PyBytes_AS_STRING(arr[1]);
-        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(arr[2]);
-        int8_t *nd = (int8_t *)PyBytes_AS_STRING(arr[3]);
-        int64_t *ko = (int64_t *)PyBytes_AS_STRING(arr[4]);
-        int64_t *kidx = (int64_t *)PyBytes_AS_STRING(arr[5]);
-        int64_t *ioff = (int64_t *)PyBytes_AS_STRING(arr[6]);
-        int64_t *ilen = (int64_t *)PyBytes_AS_STRING(arr[7]);
-        int64_t *crc = (int64_t *)PyBytes_AS_STRING(arr[8]);
+    if (t->n >= INT32_MAX - 1 ||
+        fold_grow((void **)&t->s, &t->cap, t->n + 1, sizeof *t->s) < 0)
+        return -1;
+    t->s[t->n] = *e;
+    t->ht[m] = (uint32_t)t->n + 1;
+    return (int64_t)t->n++;
+}
+
+/* Room in c for n more entries and nko more offset dims; -1: no memory. */
+static int scols_reserve(scols *c, size_t n, size_t nko)
+{
+    void **col[9] = {(void **)&c->fid,  (void **)&c->pid, (void **)&c->flags,
+                     (void **)&c->kord, (void **)&c->nd,  (void **)&c->kidx,
+                     (void **)&c->off,  (void **)&c->len, (void **)&c->crc};
+    static const size_t width[9] = {4, 4, 1, 1, 1, 8, 8, 8, 4};
+    if (c->n + n > c->cap) {
+        size_t cap = c->cap ? c->cap : 1024;
+        while (cap < c->n + n)
+            cap *= 2;
+        if (cap > (size_t)INT32_MAX)
+            return -1;
+        for (int j = 0; j < 9; j++) {
+            void *p = PyMem_RawRealloc(*col[j], cap * width[j]);
+            if (p == NULL)
+                return -1;
+            *col[j] = p;
+        }
+        c->cap = cap;
+    }
+    /* one more: ko is never NULL (memcpy, pointer sums) */
+    return fold_grow((void **)&c->ko, &c->kocap, c->nko + nko + 1,
+                     sizeof *c->ko);
+}
+
+static void scols_free(scols *c)
+{
+    PyMem_RawFree(c->fid);
+    PyMem_RawFree(c->pid);
+    PyMem_RawFree(c->flags);
+    PyMem_RawFree(c->kord);
+    PyMem_RawFree(c->nd);
+    PyMem_RawFree(c->kidx);
+    PyMem_RawFree(c->off);
+    PyMem_RawFree(c->len);
+    PyMem_RawFree(c->crc);
+    PyMem_RawFree(c->ko);
+    memset(c, 0, sizeof *c);
+}
+
+/* Entry r (its key offset's dims at dims) appended to c (reserved), its
+ * strings through t; -1: no memory. */
+static int col_push(scols *c, stab *t, const char *data,
+                    const ss_md_result *res, const srow *r, const int64_t *dims)
+{
+    size_t p = c->n;
+    sstr e;
+    int64_t fid, pid;
+    if (r->flags & SD_FQN_FRESH)
+        e = (sstr){r->fqn, r->fqn_len, SSTR_FRESH};
+    else
+        e = (sstr){res->nodes[r->fqn].a, res->nodes[r->fqn].b, r->fqn};
+    fid = stab_id(t, data, &e);
+    if (r->flags & SD_PATH_FRESH)
+        e = (sstr){r->path, r->path_len, SSTR_FRESH};
+    else
+        e = (sstr){res->nodes[r->path].a, res->nodes[r->path].b, r->path};
+    pid = fid < 0 ? -1 : stab_id(t, data, &e);
+    if (pid < 0)
+        return -1;
+    c->fid[p] = (int32_t)fid;
+    c->pid[p] = (int32_t)pid;
+    c->flags[p] = r->flags;
+    c->kord[p] = r->kord;
+    c->nd[p] = r->kndim;
+    c->kidx[p] = r->flags & SD_IDX_NONE ? 0 : r->kidx;
+    c->off[p] = r->off;
+    c->len[p] = r->len;
+    c->crc[p] = r->flags & SD_HAS_CRC && !(r->flags & SD_CRC_NONE) ? r->crc : 0;
+    for (int j = 0; j < r->kndim; j++)
+        c->ko[c->nko++] = dims[j];
+    c->n++;
+    return 0;
+}
+
+/* Where entry p's key offset dims start in b->fold->sc.ko (made once); NULL
+ * with an exception set: no memory. */
+static const int64_t *col_dims(bld *b, size_t p)
+{
+    const scols *c = &b->fold->sc;
+    if (b->kstart == NULL) {
         size_t at = 0;
-        for (size_t p = 0; p < n; p++) {
-            srow tmp, qtmp;
-            int64_t tdims[FOLD_NDIM_MAX], qdims[FOLD_NDIM_MAX];
-            const int64_t *dv, *qv;
-            const srow *r = entry_row(b, k, p, &tmp, tdims, &dv);
-            int kn = r->kndim > 0 ? r->kndim : 0;
-            uint32_t fl_len, ol;
-            const char *fb = srow_fqn(b, r, &fl_len);
-            uint64_t h = 1469598103934665603ull;
-            Py_ssize_t id;
-            int fresh;
-            for (uint32_t j = 0; j < fl_len; j++)
-                h = (h ^ (unsigned char)fb[j]) * 1099511628211ull;
-            h = (h ^ (uint64_t)(r->kndim + 1)) * 1099511628211ull;
-            for (int j = 0; j < kn; j++)
-                h = (h ^ (uint64_t)dv[j]) * 1099511628211ull;
-            h ^= h >> 29;
-            for (size_t slot = h & (cap - 1);; slot = (slot + 1) & (cap - 1)) {
-                const srow *q;
-                const char *qb;
-                if (ht[slot] == 0) {
-                    ht[slot] = (uint32_t)p + 1;
-                    break;
-                }
-                q = entry_row(b, k, ht[slot] - 1, &qtmp, qdims, &qv);
-                qb = srow_fqn(b, q, &ol);
-                if (ol == fl_len && memcmp(qb, fb, ol) == 0 &&
-                    q->kndim == r->kndim &&
-                    (kn == 0 || memcmp(qv, dv, (size_t)kn * sizeof *dv) == 0))
-                    goto fail; /* a key twice: the reference decides */
-            }
-            id = r->flags & SD_FQN_FRESH
-                     ? str_id_data(b, &s, r->fqn, r->fqn_len)
-                     : str_id(b, &s, r->fqn, &fresh);
-            if (id < 0)
-                goto fail;
-            fid[p] = (int32_t)id;
-            id = r->flags & SD_PATH_FRESH
-                     ? str_id_data(b, &s, r->path, r->path_len)
-                     : str_id(b, &s, r->path, &fresh);
-            if (id < 0)
-                goto fail;
-            pid[p] = (int32_t)id;
-            flags[p] = r->flags;
-            nd[p] = r->kndim;
-            memcpy(ko + at, dv, (size_t)kn * sizeof *dv);
-            at += (size_t)kn;
-            kidx[p] = r->flags & SD_IDX_NONE ? 0 : r->kidx;
-            ioff[p] = r->off;
-            ilen[p] = r->len;
-            crc[p] =
-                r->flags & SD_HAS_CRC && !(r->flags & SD_CRC_NONE) ? r->crc : 0;
+        if ((b->kstart = PyMem_Malloc((c->n + 1) * sizeof *b->kstart)) ==
+            NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        for (size_t q = 0; q < c->n; q++) {
+            b->kstart[q] = at;
+            at += c->nd[q] > 0 ? (size_t)c->nd[q] : 0;
         }
     }
-    korder[0] = fqn_first != 0 ? F_FQN : F_INDEX;
-    korder[1] = fqn_first != 0 ? F_INDEX : F_FQN;
-    korder[2] = F_OFFSET;
-    for (int j = 2; offpos >= 0 && j > offpos; j--) {
-        korder[j] = korder[j - 1];
-        korder[j - 1] = F_OFFSET;
-    }
-    order = PyTuple_Pack(3, b->names[korder[0]], b->names[korder[1]],
-                         b->names[korder[2]]);
-    if (order == NULL)
-        goto fail;
-    *out = PyObject_CallFunction(b->make_storage, "OOOOOOOOOOO", order, s.strs,
-                                 arr[0], arr[1], arr[2], arr[3], arr[4], arr[5],
-                                 arr[6], arr[7], arr[8]);
-    rc = *out != NULL ? 0 : -1;
-    goto out;
-fail:
-    rc = -1;
-out:
-    for (int j = 0; j < 9; j++)
-        Py_XDECREF(arr[j]);
-    Py_XDECREF(order);
-    Py_XDECREF(s.strs);
-    Py_XDECREF(s.fresh);
-    PyMem_Free(s.slotid);
-    PyMem_Free(ht);
-    return rc;
+    return c->ko + b->kstart[p];
 }
 
+/* String id of the table as value() makes its node: a shared one's object
+ * (one per share slot), a fresh one new. */
+static PyObject *col_str(bld *b, int32_t id)
+{
+    const sstr *e = &b->fold->st.s[id];
+    if (e->node != SSTR_FRESH)
+        return value(b, e->node);
+    return PyUnicode_DecodeUTF8(b->data + e->at, (Py_ssize_t)e->len,
+                                "surrogatepass");
+}
+
+/* The MetadataIndex of folded entry p, as build_index makes it. */
+static PyObject *index_row(bld *b, size_t p)
+{
+    const scols *c = &b->fold->sc;
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = c->flags[p] & SD_OFF_ABSENT ? 2 : 3;
+    for (int j = 0; j < f.n; j++) {
+        int id = kf_field[(c->kord[p] >> (2 * j)) & 3];
+        const int64_t *dv;
+        f.order[j] = (int8_t)id;
+        f.has[id] = 1;
+        if (id == F_FQN)
+            vals[id] = col_str(b, c->fid[p]);
+        else if (id == F_INDEX)
+            vals[id] = c->flags[p] & SD_IDX_NONE
+                           ? Py_NewRef(Py_None)
+                           : PyLong_FromLongLong(c->kidx[p]);
+        else if (c->nd[p] < 0)
+            vals[id] = Py_NewRef(Py_None);
+        else if ((dv = col_dims(b, p)) != NULL)
+            vals[id] = size_from(b, dv, (uint32_t)c->nd[p]);
+        if (vals[id] == NULL) {
+            for (int x = 0; x < NFIELDS; x++)
+                Py_CLEAR(vals[x]);
+            return NULL;
+        }
+    }
+    return make(b, CLS_INDEX, &f, vals);
+}
+
+/* The _StorageInfo of folded entry p, as build_storage_info makes it. */
+static PyObject *info_row(bld *b, size_t p)
+{
+    const scols *c = &b->fold->sc;
+    PyObject *vals[NFIELDS] = {0};
+    fields f;
+    memset(&f, 0, sizeof f);
+    f.n = c->flags[p] & SD_HAS_CRC ? 4 : 3;
+    f.order[0] = F_RELPATH;
+    f.order[1] = F_OFFSET;
+    f.order[2] = F_LENGTH;
+    f.order[3] = F_CRC;
+    vals[F_RELPATH] = col_str(b, c->pid[p]);
+    vals[F_OFFSET] = PyLong_FromLongLong(c->off[p]);
+    vals[F_LENGTH] = PyLong_FromLongLong(c->len[p]);
+    if (f.n == 4)
+        vals[F_CRC] = c->flags[p] & SD_CRC_NONE
+                          ? Py_NewRef(Py_None)
+                          : PyLong_FromUnsignedLong(c->crc[p]);
+    for (int j = 0; j < f.n; j++) {
+        f.has[f.order[j]] = 1;
+        if (vals[f.order[j]] == NULL) {
+            for (int x = 0; x < NFIELDS; x++)
+                Py_CLEAR(vals[x]);
+            return NULL;
+        }
+    }
+    return make(b, CLS_STORAGE_INFO, &f, vals);
+}
+
+static void own_free(PyObject *cap)
+{
+    PyMem_RawFree(PyCapsule_GetPointer(cap, "shardstate.mdread.column"));
+}
+
+/* A read-only 1-D array of n items of NumPy type `type` (elem bytes each)
+ * over the raw buffer *p, which it then owns (*p NULL: freed with the
+ * array); NULL on error (*p freed or still owned by the caller). */
+static PyObject *own_array(void **p, size_t n, size_t elem, int type)
+{
+    void *q = PyMem_RawRealloc(*p, n ? n * elem : 1); /* no slack kept */
+    npy_intp dim = (npy_intp)n;
+    PyObject *cap, *a;
+    if (q == NULL && (q = *p) == NULL)
+        return PyErr_NoMemory();
+    *p = NULL;
+    if ((cap = PyCapsule_New(q, "shardstate.mdread.column", own_free)) ==
+        NULL) {
+        PyMem_RawFree(q);
+        return NULL;
+    }
+    if ((a = PyArray_SimpleNewFromData(1, &dim, type, q)) == NULL) {
+        Py_DECREF(cap);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)a, cap) < 0) { /* steals */
+        Py_DECREF(a);
+        return NULL;
+    }
+    PyArray_CLEARFLAGS((PyArrayObject *)a, NPY_ARRAY_WRITEABLE);
+    return a;
+}
+
+/* Whether two of c's entries have one key (the dict's key equality:
+ * MetadataIndex compares fqn and offset); -1: no memory. */
+static int cols_dup_key(bld *b, const scols *c)
+{
+    const sstr *st = b->fold->st.s;
+    size_t cap = 1, at = 0;
+    uint32_t *ht, *ks;
+    int dup = 0;
+    while (cap < 2 * c->n)
+        cap <<= 1;
+    ht = PyMem_Calloc(cap, sizeof *ht);
+    ks = PyMem_Malloc((c->n + 1) * sizeof *ks);
+    if (ht == NULL || ks == NULL) {
+        PyMem_Free(ht);
+        PyMem_Free(ks);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t p = 0; p < c->n && !dup; p++) {
+        const sstr *s = &st[c->fid[p]];
+        int kn = c->nd[p] > 0 ? c->nd[p] : 0;
+        uint64_t h = fnv(b->data + s->at, s->len);
+        ks[p] = (uint32_t)at;
+        h = (h ^ (uint64_t)(c->nd[p] + 1)) * 1099511628211ull;
+        for (int j = 0; j < kn; j++)
+            h = (h ^ (uint64_t)c->ko[at + j]) * 1099511628211ull;
+        h ^= h >> 29;
+        for (size_t m = h & (cap - 1);; m = (m + 1) & (cap - 1)) {
+            size_t q = ht[m];
+            const sstr *o;
+            if (q-- == 0) {
+                ht[m] = (uint32_t)p + 1;
+                break;
+            }
+            o = &st[c->fid[q]];
+            if (o->len == s->len &&
+                memcmp(b->data + o->at, b->data + s->at, s->len) == 0 &&
+                c->nd[q] == c->nd[p] &&
+                memcmp(c->ko + ks[q], c->ko + at, (size_t)kn * 8) == 0) {
+                dup = 1;
+                break;
+            }
+        }
+        at += (size_t)kn;
+    }
+    PyMem_Free(ht);
+    PyMem_Free(ks);
+    return dup;
+}
+
+/* Moves c's last k entries (and their kd offset dims) to its front. */
+static int cols_rotate(scols *c, size_t k, size_t kd)
+{
+    void *col[10] = {c->fid,  c->pid, c->flags, c->kord, c->nd,
+                     c->kidx, c->off, c->len,   c->crc,  c->ko};
+    static const size_t width[10] = {4, 4, 1, 1, 1, 8, 8, 8, 4, 8};
+    char *tmp = PyMem_Malloc(k * 8 > kd * 8 ? k * 8 + 1 : kd * 8 + 1);
+    if (tmp == NULL)
+        return -1;
+    for (int j = 0; j < 10; j++) {
+        size_t n = j < 9 ? c->n : c->nko, m = j < 9 ? k : kd, w = width[j];
+        char *a = col[j];
+        memcpy(tmp, a + (n - m) * w, m * w);
+        memmove(a + m * w, a, (n - m) * w);
+        memcpy(a, tmp, m * w);
+    }
+    PyMem_Free(tmp);
+    return 0;
+}
+
+/* storage_data (dict node d) as make_storage(key_order, strings,
+ * columns...)'s compact form, in *out, where every entry is a
+ * MetadataIndex {fqn, offset, index} (the 3 fields in one order for all
+ * keys) -> _StorageInfo {relative_path, offset, length[,
+ * shardstate_crc32]} (in that order; build_index's and build_storage_info's
+ * checks) and the stream shares no key, info or offset Size (strings may
+ * be shared: each string is one object per share slot, as value() makes
+ * it): fold_entry's form, whether the decoder folded the entry (a row) or
+ * not (a node pair). Where the dict's rows are all the columns, in order
+ * (a large file's one storage_data: its first batch stays nodes, then
+ * rows), the columns are the answer, the node pairs moved in front;
+ * otherwise a copy. A key met twice (which the dict walk leaves to the
+ * reference) fails. 0 with *out NULL for any other dict (the walk makes
+ * it), -1 with *out NULL: not ours. */
 static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
 {
+    mdfold *f = b->fold;
     const uint32_t *k = kids(b, d);
-    size_t n = d->kind == SS_MD_DICT ? d->b : 0, dims = 0, cap = 1;
-    sdb s = {0};
-    uint32_t *fq = NULL, *ht = NULL;
-    size_t *ks = NULL;
-    int8_t *nd = NULL;
-    int64_t *ko = NULL;
-    PyObject *arr[9] = {0}, *order = NULL;
-    int fqn_first = -1, offpos = -1, korder[3];
-    int rc = 0;
+    size_t n = d->b, lead = 0, dims = 0, ldims = 0, n0, nko0;
+    scols own, *c = &own;
+    srow r;
+    int64_t dv[FOLD_NDIM_MAX];
+    int fqn_first = -1, offpos = -1, korder[3], whole, rc = -1;
+    PyObject *strs = NULL, *order = NULL, *arr[9] = {0};
+    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 4};
+    static const int type[9] = {NPY_INT32, NPY_INT32, NPY_UINT8,
+                                NPY_INT8,  NPY_INT64, NPY_INT64,
+                                NPY_INT64, NPY_INT64, NPY_UINT32};
 
     *out = NULL;
-    if (d->kind != SS_MD_DICT || d->share)
+    memset(&own, 0, sizeof own);
+    if (d->kind != SS_MD_DICT || d->share || f == NULL)
         return 0;
-    if (b->fold != NULL)
-        return lazy_storage_rows(b, d, out);
-    /* pass 1: the forms (no object made) */
+    /* the forms, and the keys' field order, before anything changes */
     for (size_t p = 0; p < n; p++) {
-        const ss_md_node *key = N(b, k[2 * p]), *val = N(b, k[2 * p + 1]);
-        const ss_md_node *off, *x;
-        const uint32_t *dd;
-        uint32_t nn;
-        fields f, g;
-        if (key->share || val->share || obj_class(b, k[2 * p]) != CLS_INDEX ||
-            obj_class(b, k[2 * p + 1]) != CLS_STORAGE_INFO ||
-            read_state(b, key->c, CLS_INDEX, &f) < 0 ||
-            f.n != 2 + f.has[F_OFFSET] || !f.has[F_FQN] || !f.has[F_INDEX] ||
-            key_order(&f, &fqn_first, &offpos) < 0 ||
-            !is(field(b, &f, F_FQN), SS_MD_STR) ||
-            read_state(b, val->c, CLS_STORAGE_INFO, &g) < 0 ||
-            (g.n != 3 && g.n != 4) || g.order[0] != F_RELPATH ||
-            g.order[1] != F_OFFSET || g.order[2] != F_LENGTH ||
-            (g.n == 4 && g.order[3] != F_CRC))
-            return 0;
-        off = field(b, &f, F_OFFSET);
-        x = field(b, &f, F_INDEX);
-        if (x->kind != SS_MD_INT && x->kind != SS_MD_NONE)
-            return 0;
-        if (off != NULL && off->kind != SS_MD_NONE) {
-            if (off->share || size_dims(b, f.node[F_OFFSET], &dd, &nn) < 0 ||
-                nn > 127)
+        int64_t row = srow_of(b, k[2 * p]);
+        fields kf;
+        uint8_t kord;
+        if (row >= 0) {
+            if (srow_of(b, k[2 * p + 1]) != row)
                 return 0;
-            dims += nn;
+            kord = f->sc.kord[row];
+            kf.n = f->sc.flags[row] & SD_OFF_ABSENT ? 2 : 3;
+            dims += f->sc.nd[row] > 0 ? (size_t)f->sc.nd[row] : 0;
+        } else {
+            if (fold_entry(f, b->r, k[2 * p], k[2 * p + 1], &r, NULL, 0) < 0)
+                return 0;
+            kord = r.kord;
+            kf.n = srow_kn(&r);
+            ldims += r.kndim > 0 ? (size_t)r.kndim : 0;
+            lead += p == lead;
         }
-        off = field(b, &g, F_OFFSET);
-        x = field(b, &g, F_LENGTH);
-        if (!is(field(b, &g, F_RELPATH), SS_MD_STR) || !is(off, SS_MD_INT) ||
-            !is(x, SS_MD_INT) || ival(off) < 0 || ival(x) < 0)
-            return 0;
-        x = field(b, &g, F_CRC);
-        if (x != NULL && x->kind != SS_MD_NONE &&
-            (x->kind != SS_MD_INT || ival(x) < 0 ||
-             ival(x) > (int64_t)UINT32_MAX))
+        for (int j = 0; j < kf.n; j++)
+            kf.order[j] = (int8_t)kf_field[(kord >> (2 * j)) & 3];
+        if (key_order(&kf, &fqn_first, &offpos) < 0)
             return 0;
     }
-    /* pass 2: the arrays, the strings, and no key twice */
-    while (cap < 2 * n)
-        cap <<= 1;
-    static const size_t width[9] = {4, 4, 1, 1, 8, 8, 8, 8, 8};
-    size_t len[9] = {n, n, n, n, dims, n, n, n, n};
-    for (int j = 0; j < 9; j++)
-        if ((arr[j] = PyBytes_FromStringAndSize(
-                 NULL, (Py_ssize_t)(len[j] * width[j]))) == NULL)
-            goto fail;
-    s.strs = PyList_New(0);
-    s.fresh = PyDict_New();
-    s.slotid = PyMem_Calloc((size_t)b->r->shared + 1, sizeof *s.slotid);
-    fq = PyMem_Malloc((n + 1) * sizeof *fq);
-    ks = PyMem_Malloc((n + 1) * sizeof *ks);
-    ht = PyMem_Calloc(cap, sizeof *ht);
-    if (s.strs == NULL || s.fresh == NULL || s.slotid == NULL || fq == NULL ||
-        ks == NULL || ht == NULL) {
-        PyErr_NoMemory();
+    whole = f->sc.n == n - lead;
+    for (size_t p = lead; whole && p < n; p++)
+        whole = srow_of(b, k[2 * p]) == (int64_t)(p - lead);
+    if (dims + ldims > UINT32_MAX)
+        return 0;
+    if (whole) {
+        c = &f->sc;
+        PyMem_Free(b->kstart); /* the rows move */
+        b->kstart = NULL;
+    }
+    n0 = c->n;
+    nko0 = c->nko;
+    if (scols_reserve(c, whole ? lead : n, whole ? ldims : dims + ldims) < 0)
+        goto nomem;
+    for (size_t p = 0; p < n; p++) {
+        int64_t row = srow_of(b, k[2 * p]);
+        if (row < 0) {
+            (void)fold_entry(f, b->r, k[2 * p], k[2 * p + 1], &r, dv, 0);
+            if (col_push(c, &f->st, b->data, b->r, &r, dv) < 0)
+                goto nomem;
+        } else if (!whole) {
+            const scols *s = &f->sc;
+            const int64_t *sd = col_dims(b, (size_t)row);
+            int kn = s->nd[row] > 0 ? s->nd[row] : 0;
+            if (sd == NULL)
+                goto fail;
+            c->fid[c->n] = s->fid[row];
+            c->pid[c->n] = s->pid[row];
+            c->flags[c->n] = s->flags[row];
+            c->kord[c->n] = s->kord[row];
+            c->nd[c->n] = s->nd[row];
+            c->kidx[c->n] = s->kidx[row];
+            c->off[c->n] = s->off[row];
+            c->len[c->n] = s->len[row];
+            c->crc[c->n++] = s->crc[row];
+            memcpy(c->ko + c->nko, sd, (size_t)kn * sizeof *sd);
+            c->nko += (size_t)kn;
+        }
+    }
+    if (whole && lead && cols_rotate(c, lead, c->nko - nko0) < 0)
+        goto nomem;
+    /* rows are no longer where their ids say (or handed over below) */
+    if (whole)
+        n0 = nko0 = 0;
+    if ((rc = cols_dup_key(b, c)) != 0) /* a key twice: the reference */
         goto fail;
+    rc = -1;
+    if ((strs = PyList_New((Py_ssize_t)f->st.n)) == NULL)
+        goto fail;
+    for (size_t j = 0; j < f->st.n; j++) {
+        PyObject *s = col_str(b, (int32_t)j);
+        if (s == NULL)
+            goto fail;
+        PyList_SET_ITEM(strs, (Py_ssize_t)j, s);
     }
-    {
-        int32_t *fid = (int32_t *)PyBytes_AS_STRING(arr[0]);
-        int32_t *pid = (int32_t *)PyBytes_AS_STRING(arr[1]);
-        uint8_t *flags = (uint8_t *)PyBytes_AS_STRING(arr[2]);
-        int64_t *kidx = (int64_t *)PyBytes_AS_STRING(arr[5]);
-        int64_t *ioff = (int64_t *)PyBytes_AS_STRING(arr[6]);
-        int64_t *ilen = (int64_t *)PyBytes_AS_STRING(arr[7]);
-        int64_t *crc = (int64_t *)PyBytes_AS_STRING(arr[8]);
-        size_t at = 0;
-        nd = (int8_t *)PyBytes_AS_STRING(arr[3]);
-        ko = (int64_t *)PyBytes_AS_STRING(arr[4]);
-        for (size_t p = 0; p < n; p++) {
-            const ss_md_node *key = N(b, k[2 * p]), *val = N(b, k[2 * p + 1]);
-            const ss_md_node *x;
-            const uint32_t *dd;
-            uint32_t nn = 0;
-            fields f, g;
-            Py_ssize_t id;
-            int fresh;
-            uint64_t h;
-            uint8_t fl = 0;
-            (void)read_state(b, key->c, CLS_INDEX, &f);
-            (void)read_state(b, val->c, CLS_STORAGE_INFO, &g);
-            fq[p] = f.node[F_FQN];
-            ks[p] = at;
-            if (!f.has[F_OFFSET]) {
-                nd[p] = -1;
-                fl |= SD_OFF_ABSENT;
-            } else if (N(b, f.node[F_OFFSET])->kind == SS_MD_NONE) {
-                nd[p] = -1;
-            } else {
-                (void)size_dims(b, f.node[F_OFFSET], &dd, &nn);
-                nd[p] = (int8_t)nn;
-                for (uint32_t j = 0; j < nn; j++)
-                    ko[at++] = ival(N(b, dd[j]));
-            }
-            h = key_hash(b, fq[p], nd[p], ko + ks[p]);
-            for (size_t slot = h & (cap - 1);; slot = (slot + 1) & (cap - 1)) {
-                if (ht[slot] == 0) {
-                    ht[slot] = (uint32_t)p + 1;
-                    break;
-                }
-                if (same_key(b, fq, nd, ko, ks, ht[slot] - 1, p))
-                    goto fail; /* a key twice: the reference decides */
-            }
-            if ((id = str_id(b, &s, f.node[F_FQN], &fresh)) < 0)
-                goto fail;
-            fid[p] = (int32_t)id;
-            fl |= fresh ? SD_FQN_FRESH : 0;
-            if ((id = str_id(b, &s, g.node[F_RELPATH], &fresh)) < 0)
-                goto fail;
-            pid[p] = (int32_t)id;
-            fl |= fresh ? SD_PATH_FRESH : 0;
-            x = field(b, &f, F_INDEX);
-            fl |= x->kind == SS_MD_NONE ? SD_IDX_NONE : 0;
-            kidx[p] = x->kind == SS_MD_NONE ? 0 : ival(x);
-            ioff[p] = ival(field(b, &g, F_OFFSET));
-            ilen[p] = ival(field(b, &g, F_LENGTH));
-            x = field(b, &g, F_CRC);
-            crc[p] = 0;
-            if (x != NULL) {
-                fl |= SD_HAS_CRC;
-                if (x->kind == SS_MD_NONE)
-                    fl |= SD_CRC_NONE;
-                else
-                    crc[p] = ival(x);
-            }
-            flags[p] = fl;
-        }
-    }
-    /* the keys' field order: fqn and index as they came, offset where the
-     * keys that have one put it (last if none has) */
     korder[0] = fqn_first != 0 ? F_FQN : F_INDEX;
     korder[1] = fqn_first != 0 ? F_INDEX : F_FQN;
     korder[2] = F_OFFSET;
@@ -990,23 +1099,36 @@ static int lazy_storage(bld *b, const ss_md_node *d, PyObject **out)
                          b->names[korder[2]]);
     if (order == NULL)
         goto fail;
-    *out = PyObject_CallFunction(b->make_storage, "OOOOOOOOOOO", order, s.strs,
+    {
+        void **col[9] = {(void **)&c->fid, (void **)&c->pid, (void **)&c->flags,
+                         (void **)&c->nd,  (void **)&c->ko,  (void **)&c->kidx,
+                         (void **)&c->off, (void **)&c->len, (void **)&c->crc};
+        size_t len[9] = {c->n, c->n, c->n, c->n, c->nko,
+                         c->n, c->n, c->n, c->n};
+        for (int j = 0; j < 9; j++)
+            if ((arr[j] = own_array(col[j], len[j], width[j], type[j])) == NULL)
+                goto fail;
+    }
+    *out = PyObject_CallFunction(b->make_storage, "OOOOOOOOOOO", order, strs,
                                  arr[0], arr[1], arr[2], arr[3], arr[4], arr[5],
                                  arr[6], arr[7], arr[8]);
     rc = *out != NULL ? 0 : -1;
     goto out;
+nomem:
+    PyErr_NoMemory();
 fail:
     rc = -1;
 out:
+    if (c == &own || rc == 0 || arr[0] != NULL) {
+        scols_free(c); /* what is left of it: the arrays own the rest */
+    } else {
+        c->n = n0; /* as it was (a failed move: n0 = 0, no rows) */
+        c->nko = nko0;
+    }
     for (int j = 0; j < 9; j++)
         Py_XDECREF(arr[j]);
     Py_XDECREF(order);
-    Py_XDECREF(s.strs);
-    Py_XDECREF(s.fresh);
-    PyMem_Free(s.slotid);
-    PyMem_Free(fq);
-    PyMem_Free(ks);
-    PyMem_Free(ht);
+    Py_XDECREF(strs);
     return rc;
 }
 
@@ -1044,7 +1166,7 @@ static PyObject *build_metadata(bld *b, const fields *f)
             goto fail;
     }
     if (b->fold != NULL && b->fold->nrows && b->rows_used == b->fold->nrows)
-        fold_drop_chunks(b->fold);
+        drop_chunks(b);
     if (b->lazy && b->make_storage != NULL && f->has[F_STORAGE] &&
         lazy_storage(b, N(b, f->node[F_STORAGE]), &vals[F_STORAGE]) < 0)
         goto fail;
@@ -1084,12 +1206,11 @@ static int chunks_inside(bld *b, const ss_md_node *list, const uint32_t *size,
         uint32_t n1, n2;
         fields f;
         if (is_row(b, ck[c])) {
-            size_t r = ck[c] & ~SS_MD_ROW_BIT;
-            const int64_t *v = b->fold->vals + b->fold->roff[r];
-            if (b->fold->nd[r] != nd)
+            const int64_t *vo, *vs;
+            if (row_at(b, ck[c] & ~SS_MD_ROW_BIT, &vo, &vs) != nd)
                 return -1;
             for (uint32_t k = 0; k < nd; k++) {
-                int64_t o = v[k], n = v[nd + k], s = ival(N(b, size[k]));
+                int64_t o = vo[k], n = vs[k], s = ival(N(b, size[k]));
                 if (o < 0 || n < 0 ||
                     (n != 0 &&
                      (s < 0 || (uint64_t)o + (uint64_t)n > (uint64_t)s)))
@@ -1138,42 +1259,99 @@ static int lazy_ok(bld *b, const ss_md_node *list)
     return 1;
 }
 
-/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits. */
+/* cb[nd]'s rows pos .. pos + n - 1 as two read-only (n, nd) views of its
+ * base arrays, made (the memory handed over) on first use; -1 on error. */
+static int row_views(bld *b, uint32_t nd, size_t pos, size_t n, PyObject **off,
+                     PyObject **siz)
+{
+    cbuf *c = &b->fold->cb[nd];
+    npy_intp dims[2] = {(npy_intp)n, (npy_intp)nd};
+    if (b->base[nd][0] == NULL) {
+        size_t cells = c->n * nd;
+        b->base[nd][0] = own_array((void **)&c->off, cells, 8, NPY_INT64);
+        b->base[nd][1] = b->base[nd][0]
+                             ? own_array((void **)&c->siz, cells, 8, NPY_INT64)
+                             : NULL;
+        c->lent = 1; /* the rest freed by fold_drop_chunks, if any */
+        if (b->base[nd][1] == NULL)
+            return -1;
+        c->off = PyArray_DATA((PyArrayObject *)b->base[nd][0]);
+        c->siz = PyArray_DATA((PyArrayObject *)b->base[nd][1]);
+    }
+    for (int j = 0; j < 2; j++) {
+        PyObject *base = b->base[nd][j];
+        int64_t *p = (int64_t *)PyArray_DATA((PyArrayObject *)base) + pos * nd;
+        PyObject *v = PyArray_New(&PyArray_Type, 2, dims, NPY_INT64, NULL, p, 0,
+                                  NPY_ARRAY_CARRAY_RO, NULL);
+        if (v == NULL ||
+            PyArray_SetBaseObject((PyArrayObject *)v, Py_NewRef(base)) < 0) {
+            Py_XDECREF(v);
+            if (j)
+                Py_CLEAR(*off);
+            return -1;
+        }
+        *(j ? siz : off) = v;
+    }
+    return 0;
+}
+
+/* make_chunks(offsets, sizes, n, ndim) over a chunk list lazy_ok admits:
+ * read-only (n, ndim) int64 arrays, views of the rows where the list is
+ * rows in a row of one run (a large file's lists), else a copy. */
 static PyObject *lazy_chunks(bld *b, const ss_md_node *list, uint32_t nd)
 {
     const uint32_t *ck = kids(b, list);
-    size_t cells = (size_t)list->b * nd;
-    PyObject *off = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8));
-    PyObject *len =
-        off ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(cells * 8)) : NULL;
-    PyObject *out = NULL;
-    if (len != NULL) {
-        int64_t *po = (int64_t *)PyBytes_AS_STRING(off);
-        int64_t *pl = (int64_t *)PyBytes_AS_STRING(len);
-        for (uint32_t c = 0; c < list->b; c++) {
-            const uint32_t *d1, *d2;
-            uint32_t n1, n2;
-            fields f;
-            if (is_row(b, ck[c])) {
-                size_t r = ck[c] & ~SS_MD_ROW_BIT;
-                const int64_t *v = b->fold->vals + b->fold->roff[r];
-                memcpy(po + (size_t)c * nd, v, nd * sizeof *v);
-                memcpy(pl + (size_t)c * nd, v + nd, nd * sizeof *v);
-                b->rows_used++;
-                continue;
-            }
-            /* lazy_ok and chunks_inside checked every one of these */
-            (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
-            (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
-            (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
-            for (uint32_t k = 0; k < nd; k++) {
-                po[(size_t)c * nd + k] = ival(N(b, d1[k]));
-                pl[(size_t)c * nd + k] = ival(N(b, d2[k]));
-            }
-        }
-        out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
-                                    (unsigned)list->b, (unsigned)nd);
+    size_t n = list->b, g0 = n ? ck[0] & ~SS_MD_ROW_BIT : 0;
+    npy_intp dims[2] = {(npy_intp)n, (npy_intp)nd};
+    PyObject *off = NULL, *len = NULL, *out = NULL;
+    int view = n > 0 && nd > 0;
+    for (size_t c = 0; view && c < n; c++)
+        view = is_row(b, ck[c]) && (ck[c] & ~SS_MD_ROW_BIT) == g0 + c;
+    if (view) {
+        const int64_t *vo, *vs;
+        const crun *u;
+        (void)row_at(b, g0, &vo, &vs);
+        u = &b->fold->runs[b->run];
+        view = u->nd == nd && g0 + n - u->g0 <= u->n;
+        if (view && row_views(b, nd, u->pos + (g0 - u->g0), n, &off, &len) < 0)
+            return NULL;
     }
+    if (view) {
+        b->rows_used += n;
+    } else {
+        off = PyArray_SimpleNew(2, dims, NPY_INT64);
+        len = off ? PyArray_SimpleNew(2, dims, NPY_INT64) : NULL;
+        if (len == NULL)
+            goto out;
+        PyArray_CLEARFLAGS((PyArrayObject *)off, NPY_ARRAY_WRITEABLE);
+        PyArray_CLEARFLAGS((PyArrayObject *)len, NPY_ARRAY_WRITEABLE);
+    }
+    for (uint32_t c = 0; !view && c < list->b; c++) {
+        int64_t *po = (int64_t *)PyArray_DATA((PyArrayObject *)off) + c * nd;
+        int64_t *pl = (int64_t *)PyArray_DATA((PyArrayObject *)len) + c * nd;
+        const uint32_t *d1, *d2;
+        uint32_t n1, n2;
+        fields f;
+        if (is_row(b, ck[c])) {
+            const int64_t *vo, *vs;
+            (void)row_at(b, ck[c] & ~SS_MD_ROW_BIT, &vo, &vs);
+            memcpy(po, vo, nd * sizeof *vo);
+            memcpy(pl, vs, nd * sizeof *vs);
+            b->rows_used++;
+            continue;
+        }
+        /* lazy_ok and chunks_inside checked every one of these */
+        (void)read_state(b, N(b, ck[c])->c, CLS_CHUNK, &f);
+        (void)size_dims(b, f.node[F_OFFSETS], &d1, &n1);
+        (void)size_dims(b, f.node[F_SIZES], &d2, &n2);
+        for (uint32_t k = 0; k < nd; k++) {
+            po[k] = ival(N(b, d1[k]));
+            pl[k] = ival(N(b, d2[k]));
+        }
+    }
+    out = PyObject_CallFunction(b->make_chunks, "OOII", off, len,
+                                (unsigned)list->b, (unsigned)nd);
+out:
     Py_XDECREF(off);
     Py_XDECREF(len);
     return out;
@@ -1375,74 +1553,6 @@ static PyObject *build_class(bld *b, int cls, const ss_md_node *n)
     }
 }
 
-/* A folded string: a fresh one's (offset, length) in the data, or its
- * node (shared: one object per share slot, as value() makes it). */
-static PyObject *srow_str(bld *b, int fresh, uint32_t at, uint32_t len)
-{
-    if (!fresh)
-        return value(b, at);
-    return PyUnicode_DecodeUTF8(b->data + at, (Py_ssize_t)len, "surrogatepass");
-}
-
-/* The MetadataIndex of a folded entry, as build_index makes it. */
-static PyObject *index_row(bld *b, const srow *r)
-{
-    PyObject *vals[NFIELDS] = {0};
-    fields f;
-    memset(&f, 0, sizeof f);
-    f.n = srow_kn(r);
-    for (int j = 0; j < f.n; j++) {
-        int id = srow_kord(r, j);
-        f.order[j] = (int8_t)id;
-        f.has[id] = 1;
-        if (id == F_FQN)
-            vals[id] = srow_str(b, r->flags & SD_FQN_FRESH, r->fqn, r->fqn_len);
-        else if (id == F_INDEX)
-            vals[id] = r->flags & SD_IDX_NONE ? Py_NewRef(Py_None)
-                                              : PyLong_FromLongLong(r->kidx);
-        else
-            vals[id] = r->kndim < 0 ? Py_NewRef(Py_None)
-                                    : size_from(b, b->fold->svals + r->koff,
-                                                (uint32_t)r->kndim);
-        if (vals[id] == NULL) {
-            for (int x = 0; x < NFIELDS; x++)
-                Py_CLEAR(vals[x]);
-            return NULL;
-        }
-    }
-    return make(b, CLS_INDEX, &f, vals);
-}
-
-/* The _StorageInfo of a folded entry, as build_storage_info makes it. */
-static PyObject *info_row(bld *b, const srow *r)
-{
-    PyObject *vals[NFIELDS] = {0};
-    fields f;
-    memset(&f, 0, sizeof f);
-    f.n = r->flags & SD_HAS_CRC ? 4 : 3;
-    f.order[0] = F_RELPATH;
-    f.order[1] = F_OFFSET;
-    f.order[2] = F_LENGTH;
-    f.order[3] = F_CRC;
-    vals[F_RELPATH] =
-        srow_str(b, r->flags & SD_PATH_FRESH, r->path, r->path_len);
-    vals[F_OFFSET] = PyLong_FromLongLong(r->off);
-    vals[F_LENGTH] = PyLong_FromLongLong(r->len);
-    if (f.n == 4)
-        vals[F_CRC] = r->flags & SD_CRC_NONE
-                          ? Py_NewRef(Py_None)
-                          : PyLong_FromLongLong((int64_t)r->crc);
-    for (int j = 0; j < f.n; j++) {
-        f.has[f.order[j]] = 1;
-        if (vals[f.order[j]] == NULL) {
-            for (int x = 0; x < NFIELDS; x++)
-                Py_CLEAR(vals[x]);
-            return NULL;
-        }
-    }
-    return make(b, CLS_STORAGE_INFO, &f, vals);
-}
-
 static PyObject *container(bld *b, const ss_md_node *n)
 {
     const uint32_t *k = kids(b, n);
@@ -1465,8 +1575,8 @@ static PyObject *container(bld *b, const ss_md_node *n)
         Py_ssize_t before = PyDict_GET_SIZE(out);
         int64_t sr = srow_of(b, k[2 * p]);
         if (sr >= 0 && srow_of(b, k[2 * p + 1]) == sr) {
-            key = index_row(b, &b->fold->srows[sr]);
-            v = key ? info_row(b, &b->fold->srows[sr]) : NULL;
+            key = index_row(b, (size_t)sr);
+            v = key ? info_row(b, (size_t)sr) : NULL;
         } else {
             key = value(b, k[2 * p]);
             v = key ? value(b, k[2 * p + 1]) : NULL;
@@ -1616,8 +1726,8 @@ static PyObject *size_from(bld *b, const int64_t *v, uint32_t nd)
  * row was folded from (fold_chunk admits only that form). */
 static PyObject *chunk_row(bld *b, uint32_t r)
 {
-    const mdfold *fo = b->fold;
-    const int64_t *v = fo->vals + fo->roff[r];
+    const int64_t *vo, *vs;
+    uint32_t nd = row_at(b, r, &vo, &vs);
     b->rows_used++;
     PyObject *vals[NFIELDS] = {0};
     fields f;
@@ -1626,9 +1736,8 @@ static PyObject *chunk_row(bld *b, uint32_t r)
     f.order[0] = F_OFFSETS;
     f.order[1] = F_SIZES;
     f.has[F_OFFSETS] = f.has[F_SIZES] = 1;
-    vals[F_OFFSETS] = size_from(b, v, fo->nd[r]);
-    vals[F_SIZES] =
-        vals[F_OFFSETS] ? size_from(b, v + fo->nd[r], fo->nd[r]) : NULL;
+    vals[F_OFFSETS] = size_from(b, vo, nd);
+    vals[F_SIZES] = vals[F_OFFSETS] ? size_from(b, vs, nd) : NULL;
     if (vals[F_SIZES] == NULL) {
         Py_XDECREF(vals[F_OFFSETS]);
         return NULL;
@@ -1865,83 +1974,88 @@ static int fold_entry(mdfold *f, const ss_md_result *t, uint32_t ki,
     return 0;
 }
 
-static int fold_grow(void **a, size_t *cap, size_t need, size_t elem)
-{
-    size_t n = *cap ? *cap : 1024;
-    void *p;
-    if (need <= *cap)
-        return 0;
-    while (n < need)
-        n *= 2;
-    if (n > PY_SSIZE_T_MAX / elem ||
-        (p = PyMem_RawRealloc(*a, n * elem)) == NULL)
-        return -1;
-    *a = p;
-    *cap = n;
-    return 0;
-}
-
 /* ss_md_fold's batch: a list's batch of chunks in chunk_row's form (all of
  * them, or none) as rows. */
 static int fold_batch(void *ctx, const ss_md_result *t, uint32_t ci,
                       const uint32_t *items, size_t n, uint32_t *row0)
 {
     mdfold *f = ctx;
-    size_t need = 0, rcap = f->rcap;
+    size_t need = 0;
     int keys = 0;
     if (t->nodes[ci].kind == SS_MD_DICT) {
         srow r;
         int64_t dims[FOLD_NDIM_MAX];
+        size_t n0 = f->sc.n, nko0 = f->sc.nko;
         if (f->nkeys + 8 > FOLD_KEYS_MAX ||
-            f->nsrows + n / 2 >= SS_MD_ROW_BIT - FOLD_SROW0)
+            f->sc.n + n / 2 >= SS_MD_ROW_BIT - FOLD_SROW0)
             return 0;
         for (size_t k = 0; k < n; k += 2) {
             if (fold_entry(f, t, items[k], items[k + 1], &r, NULL, 0) < 0)
                 return 0;
             need += r.kndim > 0 ? (size_t)r.kndim : 0;
         }
-        if (f->nsvals + need > UINT32_MAX) /* srow.koff */
+        if (f->sc.nko + need > UINT32_MAX) /* lazy_storage's dims */
             return 0;
-        if (fold_grow((void **)&f->svals, &f->svcap, f->nsvals + need,
-                      sizeof *f->svals) < 0 ||
-            fold_grow((void **)&f->srows, &f->scap, f->nsrows + n / 2,
-                      sizeof *f->srows) < 0)
+        if (scols_reserve(&f->sc, n / 2, need) < 0)
             return SS_ENOMEM;
-        *row0 = FOLD_SROW0 + (uint32_t)f->nsrows;
+        *row0 = FOLD_SROW0 + (uint32_t)f->sc.n;
         for (size_t k = 0; k < n; k += 2) {
-            srow *w = &f->srows[f->nsrows++];
-            (void)fold_entry(f, t, items[k], items[k + 1], w, dims, 1);
-            w->koff = (uint32_t)f->nsvals;
-            for (int j = 0; j < w->kndim; j++)
-                f->svals[f->nsvals++] = dims[j];
+            (void)fold_entry(f, t, items[k], items[k + 1], &r, dims, 1);
+            if (col_push(&f->sc, &f->st, f->data, t, &r, dims) < 0) {
+                f->sc.n = n0;
+                f->sc.nko = nko0;
+                return SS_ENOMEM;
+            }
         }
         return 1;
     }
     if (t->nodes[ci].kind != SS_MD_LIST)
         return 0;
-    for (size_t k = 0; k < n; k++) {
-        int nd = fold_chunk(f, t, items[k], NULL);
-        if (nd < 0)
+    {
+        size_t cnt[FOLD_NDIM_MAX + 1] = {0};
+        int64_t tmp[2 * FOLD_NDIM_MAX];
+        for (size_t k = 0; k < n; k++) {
+            int nd = fold_chunk(f, t, items[k], NULL);
+            if (nd < 0)
+                return 0;
+            cnt[nd]++;
+        }
+        /* room for the keys it may record: at most two new a batch */
+        for (int k = 0; k < 2; k++)
+            keys += f->nkeys + k < FOLD_KEYS_MAX;
+        if (keys < 2 || f->nrows + n >= FOLD_SROW0)
             return 0;
-        need += 2 * (size_t)nd;
-    }
-    /* room for the keys it may record: at most two new a batch */
-    for (int k = 0; k < 2; k++)
-        keys += f->nkeys + k < FOLD_KEYS_MAX;
-    if (keys < 2 || f->nrows + n >= FOLD_SROW0)
-        return 0;
-    if (fold_grow((void **)&f->vals, &f->vcap, f->nvals + need,
-                  sizeof *f->vals) < 0 ||
-        fold_grow((void **)&f->roff, &rcap, f->nrows + n, sizeof *f->roff) <
-            0 ||
-        fold_grow((void **)&f->nd, &f->rcap, f->nrows + n, sizeof *f->nd) < 0)
-        return SS_ENOMEM;
-    *row0 = (uint32_t)f->nrows;
-    for (size_t k = 0; k < n; k++) {
-        int nd = fold_chunk(f, t, items[k], f->vals + f->nvals);
-        f->roff[f->nrows] = f->nvals;
-        f->nd[f->nrows++] = (uint8_t)nd;
-        f->nvals += 2 * (size_t)nd;
+        for (int d = 1; d <= FOLD_NDIM_MAX; d++) {
+            cbuf *c = &f->cb[d];
+            size_t cap = c->cap;
+            if (cnt[d] == 0)
+                continue;
+            if (fold_grow((void **)&c->off, &cap, c->n + cnt[d],
+                          (size_t)d * sizeof *c->off) < 0 ||
+                fold_grow((void **)&c->siz, &c->cap, c->n + cnt[d],
+                          (size_t)d * sizeof *c->siz) < 0)
+                return SS_ENOMEM;
+        }
+        if (fold_grow((void **)&f->runs, &f->runcap, f->nruns + n,
+                      sizeof *f->runs) < 0)
+            return SS_ENOMEM;
+        *row0 = (uint32_t)f->nrows;
+        for (size_t k = 0; k < n; k++) {
+            int nd = fold_chunk(f, t, items[k], tmp);
+            cbuf *c = &f->cb[nd];
+            crun *u = f->nruns ? &f->runs[f->nruns - 1] : NULL;
+            if (nd > 0) {
+                memcpy(c->off + c->n * (size_t)nd, tmp, (size_t)nd * 8);
+                memcpy(c->siz + c->n * (size_t)nd, tmp + nd, (size_t)nd * 8);
+            }
+            if (u != NULL && u->nd == (uint32_t)nd &&
+                u->g0 + u->n == f->nrows && u->pos + u->n == c->n)
+                u->n++;
+            else
+                f->runs[f->nruns++] = (crun){f->nrows, c->n, 1, (uint32_t)nd};
+            c->n++;
+            f->nrows++;
+        }
     }
     return 1;
 }
@@ -1991,11 +2105,10 @@ static int fold_prepare(mdfold *f, PyObject *ctx, const char *data)
 
 static void fold_free(mdfold *f)
 {
-    PyMem_RawFree(f->vals);
-    PyMem_RawFree(f->roff);
-    PyMem_RawFree(f->nd);
-    PyMem_RawFree(f->srows);
-    PyMem_RawFree(f->svals);
+    fold_drop_chunks(f);
+    scols_free(&f->sc);
+    PyMem_RawFree(f->st.s);
+    PyMem_RawFree(f->st.ht);
 }
 
 /* The chunk rows, once every one was made into its list: the storage
@@ -2003,13 +2116,28 @@ static void fold_free(mdfold *f)
  * ours" from then on (is_row). */
 static void fold_drop_chunks(mdfold *f)
 {
-    PyMem_RawFree(f->vals);
-    PyMem_RawFree(f->roff);
-    PyMem_RawFree(f->nd);
-    f->vals = NULL;
-    f->roff = NULL;
-    f->nd = NULL;
-    f->nvals = f->vcap = f->nrows = f->rcap = 0;
+    for (int d = 0; d <= FOLD_NDIM_MAX; d++) {
+        if (!f->cb[d].lent) {
+            PyMem_RawFree(f->cb[d].off);
+            PyMem_RawFree(f->cb[d].siz);
+        }
+        memset(&f->cb[d], 0, sizeof f->cb[d]);
+    }
+    PyMem_RawFree(f->runs);
+    f->runs = NULL;
+    f->nruns = f->runcap = f->nrows = 0;
+}
+
+/* The chunk rows dropped (fold_drop_chunks) and the base arrays let go:
+ * what a ChunkList views stays with it. */
+static void drop_chunks(bld *b)
+{
+    for (int d = 0; d <= FOLD_NDIM_MAX; d++) {
+        Py_CLEAR(b->base[d][0]);
+        Py_CLEAR(b->base[d][1]);
+    }
+    if (b->fold != NULL)
+        fold_drop_chunks(b->fold);
 }
 
 static int unpack_ctx(bld *b, PyObject *ctx)
@@ -2100,6 +2228,8 @@ out:
     PyMem_Free(b.cache);
     PyMem_Free(b.active);
     PyMem_Free(b.keyof);
+    PyMem_Free(b.kstart);
+    drop_chunks(&b);
     Py_XDECREF(b.empty);
     for (int j = 0; j < NFIELDS; j++)
         Py_XDECREF(b.names[j]);
@@ -2142,7 +2272,7 @@ static PyObject *py_metadata_decode(PyObject *m, PyObject *const *args,
     if (rc < 0)
         out = Py_NewRef(Py_None); /* not decoded: the reference decides */
     else
-        out = build(ss_mdread_result(r), view.buf, args[1], use ? &fold : NULL);
+        out = build(ss_mdread_result(r), view.buf, args[1], &fold);
     ss_mdread_free(r);
     fold_free(&fold);
     PyBuffer_Release(&view);

@@ -1,6 +1,7 @@
 /* test_mdread.c - ss_mdread_decode: the node table of streams CPython's
  * pickler writes (protocols 3-5), containers filled in several batches,
- * ints at every width, the memo's share slots, a pathlib path's REDUCE;
+ * (one after another in the kids, or apart), ints at every width, the
+ * memo's share slots, a pathlib path's REDUCE;
  * refusal of every form outside the decoded set and of every bound (memo order,
  * frames, lengths, stack); and no byte read past the data at any truncation
  * (ASan). */
@@ -361,6 +362,40 @@ static void test_batches_after_a_run(void)
     free(buf);
 }
 
+static void test_batches_apart_and_together(void)
+{
+    /* [1, 2, [3, 4], 5] in two APPENDS batches with the inner list's items
+     * between them (segments apart: flatten copies them into one run),
+     * and the inner list's one batch */
+    static const char p[] = "\x80\x04](K\x01K\x02"
+                            "e(](K\x03K\x04"
+                            "eK\x05"
+                            "e.";
+    static const int want[] = {1, 2, -1, 5};
+    ss_mdread *r;
+    char *buf;
+    CHECK_EQ_INT(dec(S(p), &r, &buf), 0);
+    if (r == NULL) {
+        free(buf);
+        return;
+    }
+    const ss_md_result *res = ss_mdread_result(r);
+    const ss_md_node *a = node(res, res->root), *b;
+    CHECK_EQ_INT(a->kind, SS_MD_LIST);
+    CHECK_EQ_INT(a->b, 4);
+    CHECK(a->a + 4 <= res->nkids);
+    for (uint32_t k = 0; k < 4 && a->b == 4; k++)
+        if (want[k] >= 0)
+            CHECK_EQ_INT(ival(node(res, res->kids[a->a + k])), want[k]);
+    b = node(res, res->kids[a->a + 2]);
+    CHECK_EQ_INT(b->kind, SS_MD_LIST);
+    CHECK_EQ_INT(b->b, 2);
+    CHECK_EQ_INT(ival(node(res, res->kids[b->a])), 3);
+    CHECK_EQ_INT(ival(node(res, res->kids[b->a + 1])), 4);
+    ss_mdread_free(r);
+    free(buf);
+}
+
 static void test_memo_fetched_only(void)
 {
     /* ((s0, ..., s199), (s0, s63, s64, s127, s199, z, z)): 200 memoized
@@ -557,6 +592,7 @@ int main(void)
     RUN(test_truncations_and_flips);
     RUN(test_many_items);
     RUN(test_batches_after_a_run);
+    RUN(test_batches_apart_and_together);
     RUN(test_memo_fetched_only);
     RUN(test_fold_rows);
     RUN(test_fold_refused);

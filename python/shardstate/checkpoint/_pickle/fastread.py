@@ -50,10 +50,11 @@ _FIELDS = (_b._F_METADATA, _b._F_TENSOR, _b._F_PROPS, _b._F_CHUNK, _b._F_BYTES, 
 
 _cache: dict[bool, tuple[Any, ...] | None] = {}
 
-# The columns csrc/py/mdread.c's lazy_storage hands make_storage, in order.
+# The columns csrc/py/mdread.c's lazy_storage hands make_storage, in order
+# (read-only arrays of these types, owning the memory C filled).
 _STORAGE_COLS = (("fid", np.int32), ("pid", np.int32), ("flags", np.uint8), ("kndim", np.int8),
                  ("koff", np.int64), ("kidx", np.int64), ("off", np.int64), ("len", np.int64),
-                 ("crc", np.int64))
+                 ("crc", np.uint32))
 
 
 def _plain_attrs(cls: type, names: frozenset[str]) -> bool:
@@ -111,16 +112,16 @@ def _context(torch: Any) -> tuple[Any, ...] | None:
     chunk_cls = _md.ChunkStorageMetadata
     size_or_tuple = size_type if size_type is not None else tuple
 
-    def make_chunks(off: bytes, sizes: bytes, count: int, ndim: int) -> _mdlazy.ChunkList:
-        o = np.frombuffer(off, np.int64).reshape(count, ndim)
-        n = np.frombuffer(sizes, np.int64).reshape(count, ndim)
-        return _mdlazy.ChunkList(o, n, chunk_cls, size_or_tuple)
+    def make_chunks(off: np.ndarray, sizes: np.ndarray, count: int,
+                    ndim: int) -> _mdlazy.ChunkList:
+        # read-only (count, ndim) int64: views of C's rows or a copy
+        return _mdlazy.ChunkList(off, sizes, chunk_cls, size_or_tuple)
 
     index_cls, info_cls = _md.MetadataIndex, _md._StorageInfo
 
     def make_storage(key_order: tuple[str, str, str], strs: list[str],
-                     *cols: bytes) -> _mdlazy.StorageMap:
-        arrays = {name: np.frombuffer(b, dt) for (name, dt), b in zip(_STORAGE_COLS, cols)}
+                     *cols: np.ndarray) -> _mdlazy.StorageMap:
+        arrays = {name: c for (name, _), c in zip(_STORAGE_COLS, cols)}
         return _mdlazy.StorageMap(key_order, strs, arrays, index_cls, info_cls, size_or_tuple)
 
     got = _cache[key] = (classes, g, size_type, memfmt, make_chunks, make_storage)
