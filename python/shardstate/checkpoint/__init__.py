@@ -18,6 +18,7 @@ from ._pickle import PickleFormatError, UnsafePickleError
 from .api import CheckpointException
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from .filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
+from .hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from .metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,6 +42,8 @@ __all__ = [
     "DefaultSavePlanner",
     "FileSystemReader",
     "FileSystemWriter",
+    "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
     "LoadPlan",
     "LoadPlanner",
     "Metadata",
