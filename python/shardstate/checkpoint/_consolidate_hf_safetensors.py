@@ -6,9 +6,9 @@ byte (the header as ``json.dumps`` makes it, tensors in the mapping's
 order, no padding, no ``__metadata__``) and the same
 ``model.safetensors.index.json``. The work runs on the C engine: every
 input header is read and checked (``_safetensors.read_header``), each
-output file's data is assembled in one buffer by one engine read (each
-shard's bytes scattered straight to their place in the full tensor), and
-written by one engine write. Unlike torch's, integer dtypes work (torch
+output file is sized, its header written, and its data filled by one
+engine read that scatters each shard's bytes straight into the mapped file
+pages, at their place in the full tensor. Unlike torch's, integer dtypes work (torch
 sizes elements with ``torch.finfo``) and an FQN of the mapping found in no
 input file is left out instead of written as an empty entry.
 
@@ -21,6 +21,7 @@ import glob
 import json
 import logging
 import math
+import mmap
 import os
 import time
 from typing import Any
@@ -76,42 +77,101 @@ def _inputs(input_dir: str) -> tuple[dict[str, tuple[list[int], str]],
 def _write_output(path: str, fqns: list[str], sizes: dict[str, tuple[list[int], str]],
                   chunks: dict[str, list[tuple[st.Header, st.TensorEntry, list[int]]]],
                   threads: int | None) -> dict[str, int]:
-    """One consolidated file; returns fqn -> its data bytes."""
+    """One consolidated file, sized up front and mapped: its header is
+    written, then one engine read scatters every input chunk straight into
+    the mapped file pages (one copy, no staging buffer); fsynced. Returns
+    fqn -> its data bytes."""
     fqns = [f for f in fqns if f in sizes]
     nbytes = {f: math.prod(sizes[f][0]) * st.DTYPE_SIZE[sizes[f][1]] for f in fqns}
-    data = np.zeros(sum(nbytes.values()), np.uint8)
-    base = data.ctypes.data
+    header, offs, _order = st.build_header(
+        [(f, sizes[f][1], sizes[f][0]) for f in fqns], None, sort=False, align=False,
+        compact=False)
+    total = len(header) + sum(nbytes.values())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        os.ftruncate(fd, total)
+        os.pwrite(fd, header, 0)
+        if total > len(header):
+            mm = mmap.mmap(fd, total)
+            try:
+                view = np.frombuffer(mm, np.uint8)
+                _scatter(view.ctypes.data, total, len(header), fqns, offs, sizes, chunks,
+                         threads)
+                del view
+            finally:
+                mm.close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return nbytes
+
+
+def _scatter(base: int, size: int, data_start: int, fqns: list[str], offs: list[int],
+             sizes: dict[str, tuple[list[int], str]],
+             chunks: dict[str, list[tuple[st.Header, st.TensorEntry, list[int]]]],
+             threads: int | None) -> None:
+    """Reads every chunk of ``fqns`` into its place in memory at ``base``
+    (``size`` bytes; tensor i's data at ``data_start + offs[i]``), one
+    engine call."""
     files: dict[str, int] = {}
     rows: list[tuple[int, ...]] = []
     geom: list[int] = []
-    cursor = 0
-    bufs = []
-    for fqn in fqns:
+    for fqn, off in zip(fqns, offs):
         full, dtype = sizes[fqn]
-        isz = st.DTYPE_SIZE[dtype]
-        strides = st._c_strides(full, isz)
-        for header, e, offs in chunks[fqn]:
-            start = cursor + sum(o * s for o, s in zip(offs, strides))
+        strides = st._c_strides(full, st.DTYPE_SIZE[dtype])
+        for header, e, saved in chunks[fqn]:
+            start = data_start + off + sum(o * s for o, s in zip(saved, strides))
             f = files.setdefault(header.path, len(files))
             st._region_rows(f, e, [0] * len(e.shape), list(e.shape), base + start,
-                            len(data) - start, strides, rows, geom)
-        bufs.append((fqn, dtype, tuple(full), data[cursor:cursor + nbytes[fqn]]))
-        cursor += nbytes[fqn]
+                            size - start, strides, rows, geom)
     if rows:
         ssio.read_records(list(files), np.array(rows, np.int64).reshape(-1, 14),
                           np.array(geom, np.int64), verify=False, checksum=False,
                           scratch=st._SCRATCH, threads=threads)
-    st.write_files([st.FileSpec(path, [], bufs, None, sort=False, align=False,
-                                compact=False)], fsync=True)
-    return nbytes
+
+
+def _outputs(output_dir: str, fqn_to_file: dict[str, str]) -> dict[str, list[str]]:
+    """Output path -> its FQNs, in the mapping's order (torch's)."""
+    outputs: dict[str, list[str]] = {}
+    for fqn, name in fqn_to_file.items():
+        outputs.setdefault(os.path.join(output_dir, name), []).append(fqn)
+    return outputs
+
+
+def create_outputs(outputs: dict[str, list[str]], sizes: dict[str, tuple[list[int], str]],
+                   fsync: bool = True) -> tuple[dict[str, tuple[str, int]],
+                                                dict[str, dict[str, int]]]:
+    """Creates the consolidated files for tensors of known full sizes and
+    dtypes, each sized and its header written, the data left to be written
+    in place (HuggingFaceStorageWriter's ranks write their chunks there).
+    Returns fqn -> (path, file offset of its data) and what
+    ``_write_overall_metadata_file`` takes."""
+    where: dict[str, tuple[str, int]] = {}
+    written: dict[str, dict[str, int]] = {}
+    for path, fqns in outputs.items():
+        fqns = [f for f in fqns if f in sizes]
+        header, offs, _order = st.build_header(
+            [(f, sizes[f][1], sizes[f][0]) for f in fqns], None, sort=False, align=False,
+            compact=False)
+        nbytes = {f: math.prod(sizes[f][0]) * st.DTYPE_SIZE[sizes[f][1]] for f in fqns}
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            os.ftruncate(fd, len(header) + sum(nbytes.values()))
+            os.pwrite(fd, header, 0)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        for f, off in zip(fqns, offs):
+            where[f] = (path, len(header) + off)
+        written[path] = nbytes
+    return where, written
 
 
 def _consolidate(input_dir: str, output_dir: str, fqn_to_file: dict[str, str],
                  num_threads: int) -> dict[str, dict[str, int]]:
     sizes, chunks = _inputs(input_dir)
-    outputs: dict[str, list[str]] = {}
-    for fqn, name in fqn_to_file.items():
-        outputs.setdefault(os.path.join(output_dir, name), []).append(fqn)
+    outputs = _outputs(output_dir, fqn_to_file)
     threads = num_threads if num_threads > 1 else None
     ssio.makedirs(output_dir)
     return {path: _write_output(path, fqns, sizes, chunks, threads)

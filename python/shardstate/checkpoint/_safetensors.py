@@ -31,11 +31,12 @@ Thread safety: functions only; no shared state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,14 +457,18 @@ def read_regions(regions: Sequence[Region], threads: int | None = None) -> int:
 
 
 def write_items(root: Any, files: Sequence[tuple[str, list[Any]]], planner: Any,
-                sync_files: bool) -> list[Any]:
+                sync_files: bool,
+                alongside: Callable[[list[tuple[Any, Any]]], None] | None = None) -> list[Any]:
     """Writes a rank's files (name in ``root``, its write items) as torch
     2.13's writer does with ``SerializationFormat.SAFETENSORS``: a file's
     bytes items first, raw, then one safetensors blob of its tensors whose
     ``__metadata__`` holds the DCP sharding info (each tensor's chunk
     offsets), the DCP version and the format. Returns torch's write
     results: a tensor's storage data is (file name, the blob's offset in
-    the file, its data's byte length), as torch records them."""
+    the file, its data's byte length), as torch records them.
+    ``alongside``, when given, runs in a second thread while the files are
+    written, on every (tensor item, its bytes) pair (another engine call:
+    the two overlap)."""
     from ._fs_write import _is_bytes_item, _result
     from ._hf_utils import (
         CUSTOM_METADATA_KEY,
@@ -476,7 +481,8 @@ def write_items(root: Any, files: Sequence[tuple[str, list[Any]]], planner: Any,
 
     specs: list[FileSpec] = []
     results: list[Any] = []
-    keep: list[Any] = []  # tensors owning the bytes, alive through the write
+    owners: list[Any] = []  # tensors owning the bytes, alive through the write
+    pairs: list[tuple[Any, Any]] = []
     for name, items in files:
         prefix: list[Any] = []
         cursor = 0
@@ -497,13 +503,22 @@ def write_items(root: Any, files: Sequence[tuple[str, list[Any]]], planner: Any,
                 raise ValueError(f"{name}: two chunks of {fqn!r} in one safetensors file "
                                  "(save_distributed=True gives each rank its own files)")
             dt, shape, buf, owner = tensor_bytes(planner.resolve_data(item), fqn)
-            keep.append(owner)
+            owners.append(owner)
+            pairs.append((item, buf))
             tensors.append((fqn, dt, shape, buf))
             sharding[fqn] = {SAVED_OFFSETS_KEY: [int(o) for o in item.tensor_data.chunk.offsets]}
             results.append(_result(item, name, cursor, len(buf)))
         metadata = {CUSTOM_METADATA_KEY: json.dumps(sharding),
                     DCP_VERSION_KEY: str(HF_DCP_VERSION), FORMAT_KEY: FORMAT_VALUE}
         specs.append(FileSpec(os.path.join(os.fspath(root), name), prefix, tensors, metadata))
-    write_files(specs, fsync=sync_files)
-    del keep
+    if alongside is None:
+        write_files(specs, fsync=sync_files)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            side = ex.submit(alongside, pairs)
+            try:
+                write_files(specs, fsync=sync_files)
+            finally:
+                side.result()
+    del owners, pairs
     return results

@@ -27,13 +27,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any
+
+import numpy as np
 
 from .. import io as ssio
 from .._util import import_torch
 from . import _safetensors as st
-from ._consolidate_hf_safetensors import consolidate_safetensors_files
+from ._consolidate_hf_safetensors import (
+    _outputs,
+    _write_overall_metadata_file,
+    consolidate_safetensors_files,
+    create_outputs,
+)
 from ._hf_utils import (
     SHARDED_DIR_NAME,
     SUFFIX,
@@ -67,6 +75,47 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["HuggingFaceStorageWriter", "HuggingFaceStorageReader"]
 
 
+# storage_data key of the consolidated layout the ranks write into
+_DIRECT_KEY = "_shardstate_consolidated"
+# a chunk taking more separate writes than this in its full tensor leaves the
+# consolidation to the coordinator after the save
+_MAX_RUNS = 1 << 16
+
+
+def _split_dim(sizes: list[int], full: list[int]) -> int:
+    """k: the dims k.. of a chunk are whole in its full tensor, dim k-1 not."""
+    k = len(full)
+    while k > 0 and sizes[k - 1] == full[k - 1]:
+        k -= 1
+    return k
+
+
+def _runs(sizes: list[int], full: list[int]) -> int:
+    """How many contiguous byte runs a chunk of ``sizes`` makes in the full
+    tensor (C order)."""
+    k = _split_dim(sizes, full)
+    return 1 if k <= 1 else math.prod(sizes[:k - 1])
+
+
+def _chunk_jobs(path: str, data_off: int, full: list[int], isz: int, offs: list[int],
+                sizes: list[int], buf: Any) -> list[ssio.WriteJob]:
+    """Write jobs placing a C-contiguous chunk's bytes ``buf`` at their
+    places in the full tensor whose data starts at ``data_off`` of ``path``."""
+    if not len(buf):
+        return []
+    strides = st._c_strides(full, isz)
+    base = data_off + sum(o * s for o, s in zip(offs, strides))
+    k = _split_dim(sizes, full)
+    if k <= 1:
+        return [ssio.WriteJob(path, base, buf)]
+    outer = sizes[:k - 1]
+    run = len(buf) // math.prod(outer)
+    idx = np.indices(outer).reshape(len(outer), -1).T
+    starts = base + idx @ np.array(strides[:k - 1], np.int64)
+    return [ssio.WriteJob(path, int(o), buf[i * run:(i + 1) * run])
+            for i, o in enumerate(starts)]
+
+
 class HuggingFaceStorageWriter(FileSystemWriter):
     """A writer that writes to storage in the huggingface safetensors format.
 
@@ -96,17 +145,73 @@ class HuggingFaceStorageWriter(FileSystemWriter):
             self.consolidated_output_path = str(self.path)
             self.path = self.path / SHARDED_DIR_NAME
         self.thread_count_consolidation = thread_count_consolidation
+        # the coordinator's consolidated layout, between prepare_global_plan and finish
+        self._direct: tuple[Any, Any, Any] | None = None
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         new_plans = []
+        direct = self._plan_direct(plans)
         for i, plan in enumerate(plans, start=1):
             storage_data: dict[str, Any] = {}
             if self.fqn_to_index_mapping is not None:
                 storage_data["fqn_to_index_mapping"] = self.fqn_to_index_mapping
             if self.save_distributed:
                 storage_data["shard_index"] = i
+            if direct is not None:
+                storage_data[_DIRECT_KEY] = {
+                    it.index.fqn: direct[it.index.fqn] for it in plan.items
+                    if it.index.fqn in direct}
             new_plans.append(dataclasses.replace(plan, storage_data=storage_data))
         return new_plans
+
+    def _plan_direct(self, plans: list[Any]) -> dict[str, tuple[str, int, list[int], int]] | None:
+        """With save_distributed and enable_consolidation: on the
+        coordinator, lays out the consolidated files from the plans (the
+        full size and dtype of every tensor), creates them (sized, headers
+        written) and returns fqn -> (path, data offset, full size, element
+        size) for the ranks to write their chunks in place, straight from
+        memory, next to their shard files. None (consolidate after the
+        save, torch's way) when a chunk would take too many writes or the
+        mapping misses an FQN."""
+        self._direct = None
+        if not (self.save_distributed and self.enable_consolidation):
+            return None
+        sizes: dict[str, tuple[list[int], str]] = {}
+        order: dict[str, None] = {}
+        for plan in plans:
+            for it in plan.items:
+                if it.type.name == "BYTE_IO":
+                    continue
+                td = it.tensor_data
+                offs, lens = list(td.chunk.offsets), list(td.chunk.sizes)
+                try:
+                    dtype = st.st_dtype(td.properties.dtype, it.index.fqn)
+                except ValueError:
+                    return None  # write_data raises it, naming the tensor
+                full = [o + n for o, n in zip(offs, lens)]
+                old = sizes.get(it.index.fqn)
+                if old is not None:
+                    full = [max(a, b) for a, b in zip(old[0], full)]
+                sizes[it.index.fqn] = (full, dtype)
+                order[it.index.fqn] = None
+        mapping = (self.fqn_to_index_mapping if self.fqn_to_index_mapping is not None
+                   else dict.fromkeys(order, 1))
+        if not mapping or any(f not in mapping for f in sizes):
+            return None
+        for plan in plans:
+            for it in plan.items:
+                if it.type.name != "BYTE_IO" and _runs(
+                        list(it.tensor_data.chunk.sizes),
+                        sizes[it.index.fqn][0]) > _MAX_RUNS:
+                    return None
+        max_index = max(mapping.values())
+        outputs = _outputs(str(self.consolidated_output_path),
+                           {f: _gen_file_name(i, max_index) for f, i in mapping.items()})
+        ssio.makedirs(str(self.consolidated_output_path))
+        where, written = create_outputs(outputs, sizes, fsync=self.sync_files)
+        self._direct = (outputs, sizes, written)
+        return {f: (path, off, sizes[f][0], st.DTYPE_SIZE[sizes[f][1]])
+                for f, (path, off) in where.items()}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if len(plan.items) == 0:
@@ -118,7 +223,22 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         highest_index = max(storage_plan.values()) if storage_plan is not None else 1
         files = [(_gen_file_name(i, highest_index, shard_index), items)
                  for i, items in buckets.items()]
-        return completed_future(st.write_items(self.path, files, planner, self.sync_files))
+        direct = storage_data.get(_DIRECT_KEY)
+
+        def consolidated(pairs: list[tuple[Any, Any]]) -> None:
+            # this rank's chunks into the consolidated files, in place,
+            # while its shard files are written
+            jobs: list[ssio.WriteJob] = []
+            for item, buf in pairs:
+                path, off, full, isz = direct[item.index.fqn]
+                jobs += _chunk_jobs(path, off, full, isz, list(item.tensor_data.chunk.offsets),
+                                    list(item.tensor_data.chunk.sizes), buf)
+            if jobs:
+                ssio.write(jobs, patch=True, fsync=self.sync_files, checksum=False)
+
+        results = st.write_items(self.path, files, planner, self.sync_files,
+                                 consolidated if direct else None)
+        return completed_future(results)
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         if self.save_distributed and not self.enable_consolidation:
@@ -128,6 +248,18 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         if self.save_distributed:
             mapping = (self.fqn_to_index_mapping if self.fqn_to_index_mapping is not None
                        else dict.fromkeys(metadata.state_dict_metadata.keys(), 1))
+            direct, self._direct = getattr(self, "_direct", None), None
+            if direct is not None:
+                outputs, sizes, written = direct
+                max_index = max(mapping.values())
+                want = _outputs(str(self.consolidated_output_path),
+                                {f: _gen_file_name(i, max_index) for f, i in mapping.items()})
+                if ({p: [f for f in fs if f in sizes] for p, fs in want.items()}
+                        == {p: [f for f in fs if f in sizes] for p, fs in outputs.items()}):
+                    # the ranks wrote the consolidated files already
+                    _write_overall_metadata_file(str(self.consolidated_output_path), written)
+                    return None
+            # (laid out in another order than the metadata's: written again)
             return consolidate_safetensors_files(
                 input_dir=str(self.path), output_dir=self.consolidated_output_path,
                 num_threads=self.thread_count_consolidation, fqn_to_index_mapping=mapping)
