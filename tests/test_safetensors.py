@@ -106,20 +106,20 @@ def test_header_bytes_identical_to_safetensors_save(tmp_path: Path) -> None:
     assert (tmp_path / "a.safetensors").read_bytes() == ref
 
 
-@pytest.mark.parametrize("writer", ["torch", "safetensors", "ours"])
-@pytest.mark.parametrize("loader", ["ours", "torch"])
+@pytest.mark.parametrize("writer", ["torch", "safetensors", "ours", "ours-under-torch"])
+@pytest.mark.parametrize("loader", ["ours", "torch", "ours-under-torch"])
 def test_readers_cross_load(tmp_path: Path, writer: str, loader: str) -> None:
     sd = _state()
     if writer == "safetensors":
         save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "m.safetensors")
     else:
         w = (tdcp.HuggingFaceStorageWriter if writer == "torch" else HuggingFaceStorageWriter)
-        (tdcp.save if writer == "torch" else ss.save)(
+        (ss.save if writer == "ours" else tdcp.save)(
             sd, storage_writer=w(str(tmp_path)), no_dist=True)
     out = _zeros_like(sd)
-    if loader == "ours":
+    if loader.startswith("ours"):
         reader = HuggingFaceStorageReader(str(tmp_path))
-        ss.load(out, storage_reader=reader, no_dist=True)
+        (ss.load if loader == "ours" else tdcp.load)(out, storage_reader=reader, no_dist=True)
         # every byte read once: no whole-file reads
         assert reader.read_stats["storage_bytes"] == sum(v.nbytes for v in sd.values())
     else:
