@@ -172,6 +172,11 @@ def test_consolidation_matches_torch(tmp_path: Path) -> None:
         assert (tmp_path / "o" / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), n
     got = load_file(tmp_path / "o" / "model-00001-of-00002.safetensors")
     assert torch.equal(got["a"], sd["a"]) and torch.equal(got["c"], sd["c"])
+    ours_consolidate.consolidate_safetensors_files_on_every_rank(
+        str(tmp_path / "in"), str(tmp_path / "every"), mapping)  # one process: all files
+    assert sorted(os.listdir(tmp_path / "every")) == names
+    for n in names:
+        assert (tmp_path / "every" / n).read_bytes() == (tmp_path / "t" / n).read_bytes(), n
     # integer dtypes too (torch's sizes elements with torch.finfo and fails)
     ints = {"i": torch.arange(12).reshape(3, 4)}
     ss.save(ints, storage_writer=HuggingFaceStorageWriter(
