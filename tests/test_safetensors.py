@@ -469,3 +469,21 @@ def test_quantized_reader_matches_torch(tmp_path: Path) -> None:
     e = int(files["model-00002-of-00002.safetensors"]["e_scales"][1, 2, 3]) - 127
     assert got["e_blocks"][1, 2, 3 * 32 + 10].item() == fp4[b & 15] * 2.0 ** e
     assert got["e_blocks"][1, 2, 3 * 32 + 11].item() == fp4[b >> 4] * 2.0 ** e
+
+
+def test_hf_utils_header_read_is_bounded(tmp_path: Path) -> None:
+    import io
+
+    from shardstate.checkpoint import _hf_utils
+
+    good = save({"a": torch.ones(2)}, metadata={"k": "v"})
+    md, size = _hf_utils._get_safetensors_file_metadata(io.BytesIO(good))
+    assert md["a"]["shape"] == [2] and md["__metadata__"] == {"k": "v"}
+    assert size == 8 + struct.unpack("<Q", good[:8])[0]
+    with pytest.raises(st.SafetensorsError, match="exceeds the limit"):
+        _hf_utils._get_safetensors_file_metadata(io.BytesIO(struct.pack("<Q", 1 << 40)))
+    with pytest.raises(st.SafetensorsError, match="past the end"):
+        _hf_utils._get_safetensors_file_metadata(io.BytesIO(good[:20]))
+    assert _hf_utils._gen_file_name(3, 12) == "model-00003-of-00012.safetensors"
+    assert _hf_utils._gen_file_name(1, 2, 7) == "shard-00007-model-00001-of-00002.safetensors"
+    assert _hf_utils.DTYPE_MAP["BF16"] is torch.bfloat16
