@@ -18,7 +18,9 @@ from ._pickle import PickleFormatError, UnsafePickleError
 from .api import CheckpointException
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from .filesystem import FileSystemReader, FileSystemWriter, StorageFormatError
+from .hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from .manager import CheckpointManager
+from .metadata import TORCH_TYPES as _TORCH_TYPES
 from .metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -43,6 +45,8 @@ __all__ = [
     "DefaultSavePlanner",
     "FileSystemReader",
     "FileSystemWriter",
+    "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
     "LoadPlan",
     "LoadPlanner",
     "Metadata",
@@ -65,3 +69,8 @@ __all__ = [
     "save",
     "save_state_dict",
 ]
+
+if _TORCH_TYPES:  # it dequantizes with torch (its signature names a torch dtype)
+    from .quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    __all__ += ["QuantizedHuggingFaceStorageReader"]

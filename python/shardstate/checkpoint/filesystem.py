@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import io as ssio
-from . import _fs_verify, _mdlazy
+from . import _fs_verify, _mdlazy, _safetensors
 from ._extension import ExtensionRegistry as ExtensionRegistry
 from ._extension import StreamTransformExtension as StreamTransformExtension
 from ._fs_bcast import _Schedule, exchange, plan_broadcast, read_shared
@@ -165,7 +165,9 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
     is honoured for that. It is a ``BlockingAsyncStager``, as torch's is:
     ``async_save`` stages through it (``cache_staged_state_dict``: one arena
     kept for this writer, see ``staging``).
-    ``SerializationFormat.SAFETENSORS`` raises NotImplementedError.
+    With ``SerializationFormat.SAFETENSORS`` each data file is, as torch
+    writes it, the file's bytes items followed by one safetensors blob of
+    its tensors (``_safetensors.write_items``), written by the engine.
 
     ``_extensions`` (EXPERIMENTAL, as in torch): stream transforms, such as
     ``_extension.ZStandard()``, that every item's bytes go through, as
@@ -189,14 +191,15 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
         _FileSystemWriterStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        fmt = getattr(serialization_format, "value", serialization_format)
+        if fmt not in ("torch_save", "safetensors"):
+            raise ValueError(f"unknown serialization_format {serialization_format!r}")
+        if fmt == "safetensors" and _extensions:
+            raise NotImplementedError("_extensions with SerializationFormat.SAFETENSORS")
+        self._safetensors = fmt == "safetensors"
         # None (torch: "the implementation's defaults") and () both mean none.
         self._transforms = (WriterTransforms(_extensions, thread_count) if _extensions
                             else None)
-        if getattr(serialization_format, "value", serialization_format) != "torch_save":
-            raise NotImplementedError(
-                f"serialization_format={serialization_format!r} is not supported; "
-                "only SerializationFormat.TORCH_SAVE"
-            )
         self.fs = FileSystem()  # torch's attribute (shardstate's engine does the I/O)
         self.path = Path(path)
         self.single_file_per_rank = single_file_per_rank
@@ -288,6 +291,9 @@ class FileSystemWriter(StorageWriter, _FileSystemWriterStager):
         return [(f"{prefix}{n}{DEFAULT_SUFFIX}", b) for n, b in enumerate(buckets)]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._safetensors:  # torch's files: each a safetensors blob (bytes items first)
+            return completed_future(_safetensors.write_items(
+                self.path, self._files(plan), planner, self.sync_files))
         reorder = _uses_overlapping_loader(self.thread_count, self.per_thread_copy_ahead)
         return completed_future(
             write_files(self.path, self._files(plan), planner, reorder, self.sync_files,

@@ -60,7 +60,9 @@ from .storage import StorageReader
 __all__ = [
     "BroadcastingTorchSaveReader",
     "DynamicMetaLoadPlanner",
+    "dcp_to_safetensors",
     "dcp_to_torch_save",
+    "safetensors_to_dcp",
     "torch_save_to_dcp",
 ]
 
@@ -363,3 +365,47 @@ def _main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def dcp_to_safetensors(
+    dcp_checkpoint_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    fqn_to_index_mapping: dict[str, int] | None = None,
+) -> None:
+    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` into Hugging Face
+    safetensors files in ``output_dir`` (``HuggingFaceStorageWriter``: one
+    file, or the files ``fqn_to_index_mapping`` names, plus
+    ``model.safetensors.index.json``). Every tensor is stored whole under
+    its flattened FQN; other values (bytes items) have no place in
+    safetensors and are left out. Run it on one rank."""
+    from .hf_storage import HuggingFaceStorageWriter
+
+    torch = import_torch()
+    reader = FileSystemReader(dcp_checkpoint_dir)
+    md = reader.read_metadata()
+    sd: STATE_DICT_TYPE = {
+        fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for fqn, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    _load_state_dict(sd, reader, _coordinator(None, True), DefaultLoadPlanner())
+    _save_state_dict(sd, HuggingFaceStorageWriter(os.fspath(output_dir), fqn_to_index_mapping),
+                     _coordinator(None, True), DefaultSavePlanner())
+
+
+def safetensors_to_dcp(
+    input_dir: str | os.PathLike,
+    dcp_checkpoint_dir: str | os.PathLike,
+) -> None:
+    """Convert the safetensors files in ``input_dir`` (every
+    ``*.safetensors`` there: one consolidated file, several, or DCP's
+    sharded files) into a DCP checkpoint in ``dcp_checkpoint_dir``, each
+    tensor whole under its name. Run it on one rank."""
+    from .hf_storage import HuggingFaceStorageReader
+
+    torch = import_torch()
+    reader = HuggingFaceStorageReader(os.fspath(input_dir))
+    md = reader.read_metadata()
+    sd: STATE_DICT_TYPE = {fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                           for fqn, m in md.state_dict_metadata.items()}
+    _load_state_dict(sd, reader, _coordinator(None, True), DefaultLoadPlanner())
+    _save_state_dict(sd, FileSystemWriter(dcp_checkpoint_dir), _coordinator(None, True),
+                     DefaultSavePlanner())
