@@ -138,6 +138,25 @@ def test_memory_async_save_and_thread_count() -> None:
     _check(got, sd)
 
 
+def test_memory_stream_transforms() -> None:
+    pytest.importorskip("zstandard")
+    from shardstate.checkpoint._extension import ZStandard
+
+    url = _url()
+    sd = _state()
+    dcp.save(sd, storage_writer=FsspecWriter(url, _extensions=[ZStandard()]))
+    got = _blank(sd)
+    dcp.load(got, storage_reader=FsspecReader(url))
+    _check(got, sd)
+    w = _torch_quiet()
+    try:
+        got = _blank(sd)
+        tdcp.load(got, storage_reader=TorchReader(url))
+    finally:
+        w.__exit__(None, None, None)
+    _check(got, sd)
+
+
 class _Upload:
     """Fails the upload after ``ok`` objects."""
 
