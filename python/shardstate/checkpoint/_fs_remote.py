@@ -314,6 +314,9 @@ class Mirror:
             by_file.setdefault(r.file.rel, []).append(
                 (r.info.offset, r.info.offset + r.info.length))
         pieces = [(rel, s, e) for rel, spans in by_file.items() for s, e in _ranges(spans)]
+        if not getattr(self.fs, "async_impl", False):
+            self._read_into(pieces)
+            return
         i = 0
         while i < len(pieces):
             j, total = i, 0
@@ -335,6 +338,31 @@ class Mirror:
                 os.pwrite(self._fds[rel], data, s)
             del got, batch
             i = j
+
+    def _read_into(self, pieces: list[tuple[str, int, int]]) -> None:
+        """A filesystem without an async API (memory://, file://): each
+        piece read from an open file straight into a mapping of the
+        mirror, one copy."""
+        for rel in dict.fromkeys(rel for rel, _s, _e in pieces):
+            mine = [(s, e) for r, s, e in pieces if r == rel]
+            mm = mmap.mmap(self._fds[rel], self._files[rel].size)
+            view = memoryview(mm)
+            try:
+                with self.fs.open(self.url(rel), "rb") as f:
+                    for s, e in mine:
+                        f.seek(s)
+                        got = 0
+                        while got < e - s:
+                            n = f.readinto(view[s + got:e])
+                            if not n:
+                                raise StorageFormatError(
+                                    f"checkpoint data file {self.url(rel)}: asked for bytes "
+                                    f"[{s}, {e}), got {got} (the object changed while being "
+                                    "read?)")
+                            got += n
+            finally:
+                view.release()
+                mm.close()
 
     def rename_in(self, e: BaseException) -> None:
         """Puts the objects' URLs in place of their local copies' paths in
