@@ -56,6 +56,10 @@ UPLOAD_PART = 64 << 20
 UPLOAD_THREADS = 8
 
 
+# Mappings are made with their pages (one call, not a fault per page).
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _memfd(name: str) -> int:
     if hasattr(os, "memfd_create"):
         return os.memfd_create(f"shardstate:{name}"[:249], os.MFD_CLOEXEC)
@@ -136,7 +140,7 @@ class MemFiles:
         size = os.fstat(fd).st_size
         if not size:
             return Body(b"")
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         self._maps.append(mm)
         return Body(mm)
 
@@ -345,6 +349,8 @@ class Mirror:
         mirror, one copy."""
         for rel in dict.fromkeys(rel for rel, _s, _e in pieces):
             mine = [(s, e) for r, s, e in pieces if r == rel]
+            # (not populated: the mirror stays sparse, only the pieces' pages
+            # are made)
             mm = mmap.mmap(self._fds[rel], self._files[rel].size)
             view = memoryview(mm)
             try:
