@@ -281,6 +281,30 @@ def test_s3_bit_flip_detected(s3: S3Server) -> None:
                  storage_reader=FsspecReader(url, **opts))
 
 
+def test_s3_load_fetches_only_its_records(s3: S3Server) -> None:
+    opts = s3.storage_options
+    url = _url(s3)
+    sd = {"a": torch.randn(3000), "b": torch.randn(50_000), "c": torch.randn(3000)}
+    dcp.save(sd, storage_writer=FsspecWriter(url, **opts))
+    reader = FsspecReader(url, **opts)
+    md = reader.read_metadata()
+    info = {k.fqn: v for k, v in md.storage_data.items()}
+    asked: list[tuple[str, int, int]] = []
+    real = reader.fs.fs.cat_ranges
+
+    def spy(paths, starts, ends, **kw):
+        asked.extend(zip(paths, starts, ends))
+        return real(paths, starts, ends, **kw)
+
+    reader.fs.fs.cat_ranges = spy
+    got = {"b": torch.zeros(50_000)}
+    dcp.load(got, storage_reader=reader)
+    assert torch.equal(got["b"], sd["b"])
+    b = info["b"]
+    assert asked == [(f"{url}/{b.relative_path}", b.offset, b.offset + b.length)]
+    assert sum(v.length for v in info.values()) > b.length + 2 * 4 * 3000  # a and c not read
+
+
 def test_s3_async_save(s3: S3Server) -> None:
     opts = s3.storage_options
     url = _url(s3)
