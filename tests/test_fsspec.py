@@ -108,6 +108,8 @@ def test_url_ids_pick_fsspec_storage_and_files_are_torchs() -> None:
     assert isinstance(_storage_setup(None, url, reader=False), FsspecWriter)
     assert isinstance(_storage_setup(None, url, reader=True), FsspecReader)
     assert not FsspecWriter.validate_checkpoint_id(Path("/tmp/x"))
+    with pytest.raises(RuntimeError, match="Cannot detect"):
+        _storage_setup(None, "nosuchprotocol://x/y", reader=True)
     sd = _state()
     dcp.save(sd, checkpoint_id=url)
     w = _torch_quiet()
