@@ -307,11 +307,15 @@ def test_s3_load_fetches_only_its_records(s3: S3Server) -> None:
     assert sum(v.length for v in info.values()) > b.length + 2 * 4 * 3000  # a and c not read
 
 
-def test_s3_async_save(s3: S3Server) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_s3_async_save(s3: S3Server, mode: str) -> None:
+    from shardstate.checkpoint.state_dict_saver import AsyncCheckpointerType
+
     opts = s3.storage_options
     url = _url(s3)
     sd = _state()
-    dcp.async_save(sd, storage_writer=FsspecWriter(url, thread_count=2, **opts)).result()
+    dcp.async_save(sd, storage_writer=FsspecWriter(url, thread_count=2, **opts),
+                   async_checkpointer_type=AsyncCheckpointerType(mode)).result()
     got = _blank(sd)
     dcp.load(got, storage_reader=FsspecReader(url, **opts))
     _check(got, sd)
