@@ -20,7 +20,7 @@ CTESTS   := $(patsubst tests/c/%.c,build/ctest/%,$(sort $(wildcard tests/c/test_
 # inside torch aborts the process under the ASan runtime.
 LIBASAN   = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so)
 
-.PHONY: all venv build test wheel-test check lint ctest tsan-ctest asan-test demo bench bench-planning clean
+.PHONY: all venv build test wheel-test check lint ctest tsan-ctest asan-test demo bench bench-planning bench-fsspec clean
 
 all: build
 
@@ -251,6 +251,10 @@ bench: build
 # DCP planning at 1,024 and 4,096 simulated ranks against torch's planners.
 bench-planning: build
 	$(PY) benchmarks/bench_planning.py
+
+# FsspecWriter/Reader against torch's, on a local moto S3 server and memory://.
+bench-fsspec: build
+	$(PY) benchmarks/bench_fsspec.py
 
 clean:
 	rm -rf build python/shardstate/*.so

@@ -259,8 +259,11 @@ _EMPTY = np.empty(0, np.uint8)
 
 def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
                 reorder: bool, sync_files: bool,
-                transforms: WriterTransforms | None = None) -> list[WriteResult]:
-    """Writes a rank's files, each (name in ``root``, its items in order),
+                transforms: WriterTransforms | None = None,
+                locate: dict[str, str] | None = None) -> list[WriteResult]:
+    """Writes a rank's files, each (name in ``root``, its items in order;
+    ``locate``, if given, maps each name to the local path written instead:
+    the fsspec writer's in-memory files),
     the whole rank in one engine call; with ``reorder``, each file's tensors
     smallest first (torch's overlapping loader). With ``transforms`` (the
     writer's extensions) every item goes through them instead
@@ -272,7 +275,7 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     plans; the engine writes headers, data, bytes items and trailers, packs
     small records, creates the files with no items and fsyncs."""
     if transforms is not None:
-        return _write_transformed(root, files, planner, reorder, sync_files, transforms)
+        return _write_transformed(root, files, planner, reorder, sync_files, transforms, locate)
     paths: list[str] = []
     rows = array.array("q")
     buffers: list[Any] = []  # the items' bytes, alive until the call returns
@@ -283,7 +286,7 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     stage, stage_device = None, None  # for the CUDA tensors of one device
     for name, items in files:
         f = len(paths)
-        paths.append(os.fspath(root / name))
+        paths.append(locate[name] if locate is not None else os.fspath(root / name))
         byte_items, tensor_items = _file_order(items, reorder)
         cursor = 0
         for item in byte_items:
@@ -336,7 +339,8 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
 
 def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
                        reorder: bool, sync_files: bool,
-                       transforms: WriterTransforms) -> list[WriteResult]:
+                       transforms: WriterTransforms,
+                       locate: dict[str, str] | None = None) -> list[WriteResult]:
     """``write_files`` through stream transforms: the files torch's writer
     makes with these extensions (``_fs_transform``). Each item's record is
     built and transformed in memory (a CUDA tensor copied to the CPU
@@ -350,7 +354,10 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
     cursors: dict[str, int] = {}  # where each file ends so far
     # Every file is created (empty) first; the batches then write into them
     # in place, so a file spanning two batches keeps what the first wrote.
-    paths = [os.fspath(root / name) for name, _items in files]
+    def where(name: str) -> str:
+        return locate[name] if locate is not None else os.fspath(root / name)
+
+    paths = [where(name) for name, _items in files]
     if paths:
         ssio.write([], files=paths)
 
@@ -365,7 +372,7 @@ def _write_transformed(root: Path, files: list[tuple[str, list[Any]]], planner: 
         """(path, file name, item, what encodes it), in torch's order; the
         planner's data is resolved here, in this thread."""
         for name, items in files:
-            path = os.fspath(root / name)
+            path = where(name)
             byte_items, tensor_items = _file_order(items, reorder)
             for item in byte_items:
                 data = planner.resolve_data(item)

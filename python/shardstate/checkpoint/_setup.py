@@ -10,7 +10,8 @@ from ._dist import _Coordinator, dist_ready
 
 def _storage_setup(storage: Any, checkpoint_id: str | os.PathLike | None, reader: bool) -> Any:
     """The storage to use: the one given (reset to checkpoint_id if given),
-    else a FileSystemReader/Writer on checkpoint_id."""
+    else a FileSystemReader/Writer on checkpoint_id, else (a URL, as in
+    torch) an FsspecReader/Writer when fsspec is installed."""
     if storage is not None:
         if checkpoint_id is not None:
             storage.reset(checkpoint_id)
@@ -20,12 +21,20 @@ def _storage_setup(storage: Any, checkpoint_id: str | os.PathLike | None, reader
         raise RuntimeError(f"`checkpoint_id` must be specified if {kind} is None.")
     from .filesystem import FileSystemReader, FileSystemWriter
 
-    cls = FileSystemReader if reader else FileSystemWriter
-    if not cls.validate_checkpoint_id(checkpoint_id):
-        raise RuntimeError(
-            f"Cannot detect which StorageReader or StorageWriter to use for "
-            f"checkpoint_id {os.fspath(checkpoint_id)!r}: it is not a local path.")
-    return cls(checkpoint_id)
+    targets: list[Any] = [FileSystemReader if reader else FileSystemWriter]
+    try:
+        from ._fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:  # fsspec is optional
+        pass
+    else:
+        targets.append(FsspecReader if reader else FsspecWriter)
+    for cls in targets:
+        if cls.validate_checkpoint_id(checkpoint_id):
+            return cls(checkpoint_id)
+    raise RuntimeError(
+        f"Cannot detect which StorageReader or StorageWriter to use for "
+        f"checkpoint_id {os.fspath(checkpoint_id)!r}: it is not a local path"
+        f"{'' if len(targets) > 1 else ' (and fsspec, for URLs, is not installed)'}.")
 
 
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int = 0) -> _Coordinator:
