@@ -170,19 +170,34 @@ class _Discard:
         pass
 
 
+def _whole_read(fqn: str, chunk: tuple[int, tuple, tuple] | None = None,
+                dest: tuple[int, ...] | None = None) -> Any:
+    """The read item of bytes item ``fqn`` (``chunk`` None), or of the
+    whole saved chunk ``(index, offsets, sizes)`` of tensor ``fqn`` into a
+    destination at ``dest`` (default: the chunk's own buffer, at 0)."""
+    from .metadata import MetadataIndex
+    from .planner import LoadItemType, ReadItem
+
+    if chunk is None:
+        idx = MetadataIndex(fqn)
+        return ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=(),
+                        storage_index=idx, storage_offsets=(), lengths=())
+    i, offs, sizes = chunk
+    zero = (0,) * len(offs)
+    idx = MetadataIndex(fqn, offs, i)
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=idx,
+                    dest_offsets=zero if dest is None else dest, storage_index=idx,
+                    storage_offsets=zero, lengths=sizes)
+
+
 def _read_items(md: Any) -> tuple[list[Any], list[str]]:
     """A whole-chunk read item for every chunk and bytes item, and the
     problems of the metadata itself (chunks outside their tensor, volumes
     that do not add up)."""
-    from .metadata import MetadataIndex
-    from .planner import LoadItemType, ReadItem
-
     items, problems = [], []
     for fqn, tmd in md.state_dict_metadata.items():
         if not _is_tensor(tmd):
-            idx = MetadataIndex(fqn)
-            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=(),
-                                  storage_index=idx, storage_offsets=(), lengths=()))
+            items.append(_whole_read(fqn))
             continue
         size = tuple(tmd.size)
         volume = 0
@@ -194,32 +209,33 @@ def _read_items(md: Any) -> tuple[list[Any], list[str]]:
                                 f"outside the tensor's shape {list(size)}")
                 continue
             volume += math.prod(sizes)
-            if math.prod(sizes) == 0:
-                continue  # nothing stored to check
-            zero = (0,) * len(size)
-            idx = MetadataIndex(fqn, offs, i)
-            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=idx, dest_offsets=zero,
-                                  storage_index=idx, storage_offsets=zero, lengths=sizes))
+            if math.prod(sizes):  # an empty chunk has nothing stored to check
+                items.append(_whole_read(fqn, (i, offs, sizes)))
         if volume != math.prod(size):
             problems.append(f"{fqn!r}: its chunks hold {volume} elements, its shape "
                             f"{list(size)} {math.prod(size)} (missing or overlapping chunks)")
     return items, problems
 
 
-def _locate(records: Any, items: list[Any], problems: list[str]) -> list[Any]:
-    """The items located in their files; the ones that cannot be become
-    problems (the whole list first, item by item only when one fails)."""
+_BAD = (StorageFormatError, OSError, ShardstateError)
+
+
+def _each(fn: Callable[[list[Any]], list[Any]], xs: list[Any],
+          problems: list[str]) -> list[Any]:
+    """``fn(xs)``, or where it fails, ``fn`` of each one alone: the ones
+    it fails on become problems (the whole list first, one by one only
+    when one fails)."""
     try:
-        return records.requests(items)
-    except (StorageFormatError, OSError, ShardstateError):
+        return fn(xs)
+    except _BAD:
         pass
-    reqs = []
-    for it in items:
+    out = []
+    for x in xs:
         try:
-            reqs += records.requests([it])
-        except (StorageFormatError, OSError, ShardstateError) as e:
+            out += fn([x])
+        except _BAD as e:
             problems.append(str(e))
-    return reqs
+    return out
 
 
 def _batches(reqs: list[Any], budget: int) -> Iterable[list[Any]]:
@@ -250,14 +266,15 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
     extra = sum(1 for k in sd.keys() if _index_key(k) not in want) if len(sd) != len(want) else 0
     if extra:
         report.warnings.append(f"{extra} storage entries name no item of the metadata")
-    reqs = _locate(reader._records, items, report.problems)
+    reqs = _each(reader._records.requests, items, report.problems)
     dtypes = {fqn: tmd.properties.dtype for fqn, tmd in md.state_dict_metadata.items()
               if _is_tensor(tmd)}
     plain = [r for r in reqs if r.item.type.name != "BYTE_IO" and not transforms(r.info)]
     other = [r for r in reqs if r.item.type.name == "BYTE_IO" or transforms(r.info)]
     unchecked = 0
     for batch in _batches(plain, _VERIFY_BATCH):
-        recs = _recognise(reader._records, batch, report.problems)
+        recs = _each(lambda rs: list(zip(rs, reader._records.parse(rs))), batch,
+                     report.problems)
         rows, files, named = [], {}, []
         for r, rec in recs:
             want_shape = tuple(r.item.lengths)
@@ -294,20 +311,6 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
             f"{unchecked} records carry no CRC-32 (torch.serialization.set_crc32_options(False) "
             "when they were saved): their data could not be checked")
     return report
-
-
-def _recognise(records: Any, batch: list[Any], problems: list[str]) -> list[tuple[Any, Any]]:
-    try:
-        return list(zip(batch, records.parse(batch)))
-    except (StorageFormatError, OSError, ShardstateError):
-        pass
-    out = []
-    for r in batch:
-        try:
-            out.append((r, records.parse([r])[0]))
-        except (StorageFormatError, OSError, ShardstateError) as e:
-            problems.append(str(e))
-    return out
 
 
 def _check_rows(paths: list[str], rows: list[tuple], named: list[Any],
@@ -364,26 +367,17 @@ class _Into:
 def _load_keys(reader: FileSystemReader, md: Any, keys: list[str]) -> _Into:
     import torch
 
-    from .metadata import MetadataIndex
-    from .planner import LoadItemType, ReadItem
-
     full, items = {}, []
     for fqn in keys:
         tmd = md.state_dict_metadata[fqn]
         if not _is_tensor(tmd):
-            idx = MetadataIndex(fqn)
-            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=(),
-                                  storage_index=idx, storage_offsets=(), lengths=()))
+            items.append(_whole_read(fqn))
             continue
         full[fqn] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
-        zero = (0,) * len(tmd.size)
         for i, c in enumerate(tmd.chunks):
-            if math.prod(c.sizes) == 0:
-                continue
-            idx = MetadataIndex(fqn, tuple(c.offsets), i)
-            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=idx,
-                                  dest_offsets=tuple(c.offsets), storage_index=idx,
-                                  storage_offsets=zero, lengths=tuple(c.sizes)))
+            offs = tuple(c.offsets)
+            if math.prod(c.sizes):
+                items.append(_whole_read(fqn, (i, offs, tuple(c.sizes)), dest=offs))
     planner = _Into(full)
     reads = _Reads(reader._records, True, False, _CudaDest(), transforms=reader._transforms)
     reads.local(reader._records.requests(items), planner)
