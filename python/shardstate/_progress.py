@@ -27,7 +27,9 @@ class Progress:
         self.label, self.total, self.done = label, max(total, 0), 0
         self.start = self._last = time.monotonic()
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, n: int, total: int | None = None) -> None:
+        if total is not None:
+            self.total = max(total, 0)
         self.done += n
         now = time.monotonic()
         if self.enabled and (now - self._last >= 0.1 or self.done >= self.total):

@@ -73,10 +73,9 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 def _cmd_verify(a: argparse.Namespace) -> int:
     from ._progress import Progress
-    from .checkpoint._inspect import describe, verify
+    from .checkpoint._inspect import verify
 
-    total = describe(a.ckpt)["total_bytes"]
-    bar = Progress("verify", total, enabled=False if a.quiet else None)
+    bar = Progress("verify", 0, enabled=False if a.quiet else None)
     try:
         report = verify(a.ckpt, progress=bar)
     finally:

@@ -51,7 +51,8 @@ class CheckpointUnreadable(ShardstateError):
     """No checkpoint at the path, or its metadata cannot be read."""
 
 
-Progress = Callable[[int], None]
+# called with the bytes done since the last call, and the total when known
+Progress = Callable[..., None]
 
 
 def _open(path: str | os.PathLike) -> tuple[FileSystemReader, Any]:
@@ -254,8 +255,9 @@ def _batches(reqs: list[Any], budget: int) -> Iterable[list[Any]]:
 def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyReport:
     """Checks the checkpoint at ``path`` through and through (see the
     module's text). ``progress`` is called with the record bytes checked
-    since its last call. Raises CheckpointUnreadable when there is no
-    metadata to start from; every other finding is in the report."""
+    since its last call and the bytes there are to check. Raises
+    CheckpointUnreadable when there is no metadata to start from; every
+    other finding is in the report."""
     reader, md = _open(path)
     report = VerifyReport(os.fspath(path))
     items, report.problems = _read_items(md)
@@ -272,6 +274,7 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
     plain = [r for r in reqs if r.item.type.name != "BYTE_IO" and not transforms(r.info)]
     other = [r for r in reqs if r.item.type.name == "BYTE_IO" or transforms(r.info)]
     unchecked = 0
+    total = sum(r.info.length for r in reqs)
     for batch in _batches(plain, _VERIFY_BATCH):
         recs = _each(lambda rs: list(zip(rs, reader._records.parse(rs))), batch,
                      report.problems)
@@ -295,7 +298,7 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
         done = sum(r.info.length for r in batch)
         report.checked_bytes += done
         if progress is not None:
-            progress(done)
+            progress(done, total)
     for r in other:
         reads = _Reads(reader._records, True, False, _CudaDest(), transforms=reader._transforms)
         try:
@@ -305,7 +308,7 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
         report.records += 1
         report.checked_bytes += r.info.length
         if progress is not None:
-            progress(r.info.length)
+            progress(r.info.length, total)
     if unchecked:
         report.warnings.append(
             f"{unchecked} records carry no CRC-32 (torch.serialization.set_crc32_options(False) "
