@@ -207,6 +207,47 @@ def test_convert_both_ways_round_trips(ckpts, tmp_path):
     assert r.returncode == 3
 
 
+def test_convert_to_safetensors_consolidated_and_sharded_and_back(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    g = torch.Generator().manual_seed(5)
+    sd = {"a": torch.randn(300, 100, generator=g), "b": torch.randn(300, 100, generator=g),
+          "c": torch.arange(10), "n": {"h": torch.randn(5, generator=g).to(torch.bfloat16)},
+          "step": 7}
+    tdcp.save(sd, checkpoint_id=tmp_path / "ck")  # torch wrote it
+    r = run("convert", tmp_path / "ck", tmp_path / "one", "--to", "safetensors")
+    assert r.returncode == 0, r.stderr
+    files = sorted(p.name for p in (tmp_path / "one").glob("*.safetensors"))
+    assert len(files) == 1
+    # the safetensors package reads every tensor back equal, under its flat name
+    got = safetensors_torch.load_file(tmp_path / "one" / files[0])
+    assert sorted(got) == ["a", "b", "c", "n.h"]
+    assert torch.equal(got["a"], sd["a"]) and torch.equal(got["n.h"], sd["n"]["h"])
+    # 120 KB a file: a and b (120 KB each) alone, c and n.h together
+    r = run("convert", tmp_path / "ck", tmp_path / "sharded", "--to", "safetensors",
+            "--max-shard-size", "120KB")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    wm = index["weight_map"]
+    assert len(set(wm.values())) == 3 and wm["c"] == wm["n.h"] != wm["a"] != wm["b"]
+    for name in set(wm.values()):
+        part = safetensors_torch.load_file(tmp_path / "sharded" / name)
+        assert sorted(part) == sorted(k for k, v in wm.items() if v == name)
+    # back: a directory of safetensors files becomes a DCP checkpoint by default
+    r = script("convert", tmp_path / "sharded", tmp_path / "back")
+    assert r.returncode == 0 and "(dcp)" in r.stdout, r.stderr
+    back = {"a": torch.zeros(300, 100), "b": torch.zeros(300, 100),
+            "c": torch.zeros(10, dtype=torch.int64), "n.h": torch.zeros(5, dtype=torch.bfloat16)}
+    dcp.load(back, checkpoint_id=tmp_path / "back")
+    assert torch.equal(back["b"], sd["b"]) and torch.equal(back["n.h"], sd["n"]["h"])
+    # bad sizes and misplaced options are usage errors; no checkpoint is exit 3
+    assert run("convert", tmp_path / "ck", tmp_path / "x", "--to", "safetensors",
+               "--max-shard-size", "lots").returncode == 2
+    r = run("convert", tmp_path / "ck", tmp_path / "x", "--max-shard-size", "1GB")
+    assert r.returncode == 2 and "--to safetensors" in r.stderr
+    assert run("convert", tmp_path / "one", tmp_path / "x", "--to",
+               "safetensors").returncode == 3
+
+
 def _step(root: Path, n: int, state: str) -> None:
     p = root / str(n)
     dcp.save({"x": torch.full((4,), float(n))}, checkpoint_id=p)

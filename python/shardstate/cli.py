@@ -4,7 +4,7 @@
     shardstate inspect CKPT [--chunks] [--json]
     shardstate verify CKPT [--quiet]           every reference and record CRC
     shardstate diff A B [--rtol R] [--atol A]  keys, dtypes, shapes, values
-    shardstate convert SRC DST [--to torch_save|dcp]
+    shardstate convert SRC DST [--to torch_save|safetensors|dcp] [--max-shard-size SIZE]
     shardstate prune ROOT --keep K [--incomplete] [--dry-run]
 
 Exit status: 0 success (verify: sound; diff: no difference); 1 verify found
@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNREADABLE, EXIT_ERROR = 0, 1, 2, 3, 4
+
+
+class _Usage(Exception):
+    """A command line that parses but makes no sense (exit status 2)."""
 
 
 def _human(n: int | None) -> str:
@@ -106,24 +111,79 @@ def _cmd_diff(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _size_arg(text: str) -> int:
+    """``5GB``, ``500MiB``, ``123`` (bytes) -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        n = float(num) * units[t[len(num):].strip()]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MiB)") from None
+    if not 0 < n < 1 << 62:
+        raise argparse.ArgumentTypeError(f"size out of range: {text!r}")
+    return int(n)
+
+
+def _shard_mapping(src: str, max_bytes: int) -> dict[str, int]:
+    """Each tensor of the DCP checkpoint ``src`` -> the index (1..N) of the
+    safetensors file it goes to: in the metadata's order, a new file when
+    the next tensor would take this one past ``max_bytes`` (Hugging Face's
+    ``max_shard_size`` rule: a tensor bigger than that gets a file alone)."""
+    from .checkpoint._inspect import describe
+
+    mapping, index, used = {}, 1, 0
+    for it in describe(src)["items"]:
+        if it["kind"] != "tensor":
+            continue
+        n = math.prod(it["shape"]) * _itemsize(it["dtype"])
+        if used and used + n > max_bytes:
+            index, used = index + 1, 0
+        mapping[it["key"]] = index
+        used += n
+    return mapping
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _is_dcp(path: str) -> bool:
+    from .checkpoint._steps import Store
+
+    store = Store(path)
+    return store.exists(store.join(store.root, ".metadata"))
+
+
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from .checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    from .checkpoint import format_utils as fu
+    from .checkpoint._inspect import CheckpointUnreadable
 
-    to = a.to or ("torch_save" if Path(a.src).is_dir() else "dcp")
-    if to == "torch_save":
-        if not (Path(a.src) / ".metadata").is_file():
-            from .checkpoint._inspect import CheckpointUnreadable
-
-            raise CheckpointUnreadable(f"{a.src}: no DCP checkpoint (no .metadata)")
-        dcp_to_torch_save(a.src, a.dst)
+    src, dst = a.src, a.dst
+    is_dcp = _is_dcp(src)
+    to = a.to or ("torch_save" if is_dcp else "dcp")
+    if a.max_shard_size is not None and to != "safetensors":
+        raise _Usage("--max-shard-size is for --to safetensors")
+    if to in ("torch_save", "safetensors"):
+        if not is_dcp:
+            raise CheckpointUnreadable(f"{src}: no DCP checkpoint (no .metadata)")
+        if to == "torch_save":
+            fu.dcp_to_torch_save(src, dst)
+        else:
+            mapping = None if a.max_shard_size is None else _shard_mapping(src, a.max_shard_size)
+            fu.dcp_to_safetensors(src, dst, mapping)
+    elif Path(src).is_dir() and any(Path(src).glob("*.safetensors")):
+        fu.safetensors_to_dcp(src, dst)
+    elif Path(src).is_file():
+        fu.torch_save_to_dcp(src, dst)
     else:
-        if not Path(a.src).is_file():
-            from .checkpoint._inspect import CheckpointUnreadable
-
-            raise CheckpointUnreadable(f"{a.src}: no such torch.save file")
-        torch_save_to_dcp(a.src, a.dst)
+        raise CheckpointUnreadable(f"{src}: no torch.save file or directory of safetensors "
+                                   "files")
     if not a.quiet:
-        print(f"{a.src} -> {a.dst} ({to})")
+        print(f"{src} -> {dst} ({to})")
     return EXIT_OK
 
 
@@ -186,11 +246,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--rtol", type=float, default=0.0)
     s.add_argument("--atol", type=float, default=0.0)
     s.set_defaults(run=_cmd_diff)
-    s = sub.add_parser("convert", help="DCP checkpoint <-> torch.save file")
+    s = sub.add_parser("convert", help="DCP checkpoint <-> torch.save file or safetensors")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--to", choices=("torch_save", "dcp"),
-                   help="default: torch_save from a directory, dcp from a file")
+    s.add_argument("--to", choices=("torch_save", "safetensors", "dcp"),
+                   help="default: torch_save from a DCP checkpoint, dcp from a torch.save "
+                   "file or a directory of safetensors files")
+    s.add_argument("--max-shard-size", type=_size_arg, metavar="SIZE",
+                   help="--to safetensors: files of at most SIZE (e.g. 5GB) and an index; "
+                   "default: one consolidated file")
     s.add_argument("--quiet", "-q", action="store_true")
     s.set_defaults(run=_cmd_convert)
     s = sub.add_parser("prune", help="remove all but the newest K loadable steps")
@@ -212,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args)
+    except _Usage as e:
+        print(f"shardstate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (CheckpointUnreadable, FileNotFoundError) as e:
         print(f"shardstate: error: {e}", file=sys.stderr)
         return EXIT_UNREADABLE

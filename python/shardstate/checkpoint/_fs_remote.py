@@ -370,19 +370,27 @@ class Mirror:
                 view.release()
                 mm.close()
 
+    def rename(self, text: str) -> str:
+        """``text`` with the objects' URLs in place of their local copies'
+        paths."""
+        # longest first: /proc/self/fd/1 is a prefix of /proc/self/fd/12
+        for rel, f in sorted(self._files.items(), key=lambda x: -len(x[1].path)):
+            text = text.replace(f.path, self.url(rel))
+        return text
+
     def rename_in(self, e: BaseException) -> None:
         """Puts the objects' URLs in place of their local copies' paths in
         an error's message."""
         if type(e).__str__ is not BaseException.__str__:
             return
-        args = list(e.args)
-        for k, a in enumerate(args):
-            if isinstance(a, str):
-                # longest first: /proc/self/fd/1 is a prefix of /proc/self/fd/12
-                for rel, f in sorted(self._files.items(), key=lambda x: -len(x[1].path)):
-                    a = a.replace(f.path, self.url(rel))
-                args[k] = a
-        e.args = tuple(args)
+        e.args = tuple(self.rename(a) if isinstance(a, str) else a for a in e.args)
+
+    def drop(self) -> None:
+        """Frees the fetched bytes, keeping the copies (empty again, their
+        objects' sizes) for the next ``fetch``."""
+        for rel, fd in self._fds.items():
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, self._files[rel].size)
 
     def close(self) -> None:
         for fd in self._fds.values():

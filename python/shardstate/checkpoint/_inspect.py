@@ -21,11 +21,12 @@ code, so what verify passes, a load reads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from .. import io as ssio
 from .._core import ChecksumError
 from ._fs_read import _CudaDest, _Reads
 from ._records import StorageFormatError, _index_key, transforms
+from ._steps import is_url
 from .filesystem import FileSystemReader
 
 __all__ = ["CheckpointUnreadable", "VerifyReport", "describe", "diff", "verify"]
@@ -56,19 +58,66 @@ Progress = Callable[..., None]
 
 
 def _open(path: str | os.PathLike) -> tuple[FileSystemReader, Any]:
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointUnreadable(f"{p}: no such checkpoint directory")
-    reader = FileSystemReader(p)
+    """The reader of the checkpoint at ``path`` (a directory, or an fsspec
+    URL: its options from fsspec's configuration, e.g. the environment's
+    ``FSSPEC_S3_ENDPOINT_URL``), set up, and its metadata."""
+    if is_url(path):
+        from ._fsspec_filesystem import FsspecReader
+
+        try:
+            reader: FileSystemReader = FsspecReader(path)
+        except (ValueError, ImportError, OSError) as e:
+            raise CheckpointUnreadable(f"{path}: {e}") from None
+    else:
+        if not Path(path).is_dir():
+            raise CheckpointUnreadable(f"{path}: no such checkpoint directory")
+        reader = FileSystemReader(path)
     try:
         md = reader.read_metadata()
     except (FileNotFoundError, StorageFormatError, OSError, ShardstateError) as e:
-        raise CheckpointUnreadable(f"{p}: {e}") from None
+        raise CheckpointUnreadable(f"{path}: {e}") from None
     try:
         reader.set_up_storage_reader(md, True)
     except StorageFormatError as e:
-        raise CheckpointUnreadable(f"{p}: {e}") from None
+        raise CheckpointUnreadable(f"{path}: {e}") from None
     return reader, md
+
+
+def _mirror(reader: FileSystemReader) -> Any:
+    """An fsspec reader's local copies of its objects (None on disk)."""
+    return getattr(reader._records, "mirror", None)
+
+
+@contextlib.contextmanager
+def _staged(reader: FileSystemReader, reqs: list[Any]) -> Iterator[None]:
+    """The records of ``reqs`` where the engine reads them for the block:
+    on disk they are; from an object store they are fetched (whole) into
+    the reader's local copies, and freed after."""
+    mirror = _mirror(reader)
+    if mirror is None:
+        yield
+        return
+    try:
+        mirror.fetch(reqs)
+        yield
+    except Exception as e:
+        mirror.rename_in(e)
+        raise
+    finally:
+        mirror.drop()
+
+
+def _file_size(reader: FileSystemReader, path: str | os.PathLike, rel: str) -> int | None:
+    mirror = _mirror(reader)
+    try:
+        if mirror is not None:
+            from ._fs_remote import check_relative
+
+            check_relative(path, rel)
+            return mirror.file(rel).size
+        return os.stat(Path(path) / rel).st_size
+    except (OSError, StorageFormatError):
+        return None
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -118,10 +167,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
         for loc in it["chunks"] if it["kind"] == "tensor" else [it]:
             rel = loc["file"]
             if isinstance(rel, str) and rel not in files:
-                try:
-                    files[rel] = os.stat(Path(path) / rel).st_size
-                except OSError:
-                    files[rel] = None
+                files[rel] = _file_size(reader, path, rel)
     ranks = sorted({r for r in (_rank_of(f) for f in files) if r is not None})
     return {
         "path": os.fspath(path),
@@ -276,25 +322,11 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
     unchecked = 0
     total = sum(r.info.length for r in reqs)
     for batch in _batches(plain, _VERIFY_BATCH):
-        recs = _each(lambda rs: list(zip(rs, reader._records.parse(rs))), batch,
-                     report.problems)
-        rows, files, named = [], {}, []
-        for r, rec in recs:
-            want_shape = tuple(r.item.lengths)
-            if tuple(rec.shape) != want_shape or f"torch.{rec.dtype}" != str(dtypes[r.key]):
-                report.problems.append(
-                    f"{r.where()}: the record holds {rec.dtype} {list(rec.shape)}, the "
-                    f"metadata says {_dtype_name(dtypes[r.key])} {list(want_shape)}")
-                continue
-            if not rec.checked:
-                unchecked += 1
-                continue
-            f = files.setdefault(r.file.path, len(files))
-            rows.append((f, ssio.REC_RANGE, rec.data_offset, rec.data_length, rec.data_crc32,
-                         1, 0, 0, 0, 0, 0, 0, 0, 0))
-            named.append(r)
-        report.records += len(recs)
-        _check_rows(list(files), rows, named, report.problems)
+        try:
+            with _staged(reader, batch):
+                unchecked += _check_batch(reader, batch, dtypes, report)
+        except _BAD as e:  # the batch could not be fetched
+            report.problems.append(str(e))
         done = sum(r.info.length for r in batch)
         report.checked_bytes += done
         if progress is not None:
@@ -302,8 +334,9 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
     for r in other:
         reads = _Reads(reader._records, True, False, _CudaDest(), transforms=reader._transforms)
         try:
-            reads.local([r], _Discard(dtypes))
-        except (ShardstateError, StorageFormatError, ValueError) as e:
+            with _staged(reader, [r]):
+                reads.local([r], _Discard(dtypes))
+        except (OSError, ShardstateError, StorageFormatError, ValueError) as e:
             report.problems.append(str(e))
         report.records += 1
         report.checked_bytes += r.info.length
@@ -313,7 +346,36 @@ def verify(path: str | os.PathLike, progress: Progress | None = None) -> VerifyR
         report.warnings.append(
             f"{unchecked} records carry no CRC-32 (torch.serialization.set_crc32_options(False) "
             "when they were saved): their data could not be checked")
+    mirror = _mirror(reader)
+    if mirror is not None:  # the objects' URLs, not their local copies' paths
+        report.problems = [mirror.rename(p) for p in report.problems]
     return report
+
+
+def _check_batch(reader: FileSystemReader, batch: list[Any], dtypes: dict[str, Any],
+                 report: VerifyReport) -> int:
+    """One batch of plain records recognised, matched against their chunks,
+    and their CRC-32s checked; the number that carry no CRC."""
+    recs = _each(lambda rs: list(zip(rs, reader._records.parse(rs))), batch, report.problems)
+    rows, files, named = [], {}, []
+    unchecked = 0
+    for r, rec in recs:
+        want_shape = tuple(r.item.lengths)
+        if tuple(rec.shape) != want_shape or f"torch.{rec.dtype}" != str(dtypes[r.key]):
+            report.problems.append(
+                f"{r.where()}: the record holds {rec.dtype} {list(rec.shape)}, the "
+                f"metadata says {_dtype_name(dtypes[r.key])} {list(want_shape)}")
+            continue
+        if not rec.checked:
+            unchecked += 1
+            continue
+        f = files.setdefault(r.file.path, len(files))
+        rows.append((f, ssio.REC_RANGE, rec.data_offset, rec.data_length, rec.data_crc32,
+                     1, 0, 0, 0, 0, 0, 0, 0, 0))
+        named.append(r)
+    report.records += len(recs)
+    _check_rows(list(files), rows, named, report.problems)
+    return unchecked
 
 
 def _check_rows(paths: list[str], rows: list[tuple], named: list[Any],
@@ -383,7 +445,9 @@ def _load_keys(reader: FileSystemReader, md: Any, keys: list[str]) -> _Into:
                 items.append(_whole_read(fqn, (i, offs, tuple(c.sizes)), dest=offs))
     planner = _Into(full)
     reads = _Reads(reader._records, True, False, _CudaDest(), transforms=reader._transforms)
-    reads.local(reader._records.requests(items), planner)
+    reqs = reader._records.requests(items)
+    with _staged(reader, reqs):
+        reads.local(reqs, planner)
     return planner
 
 

@@ -9,6 +9,10 @@ they fit.
         mgr.save(step, state, metrics={"loss": loss})   # saves on the policy's steps
     mgr.close()
 
+The root is a local directory or an fsspec URL: steps on an object store
+are saved and loaded through ``FsspecWriter`` / ``FsspecReader``, and the
+markers are objects put whole.
+
 A step's life: rank 0 makes its directory with a pending marker
 (``.shardstate-pending``); every rank saves into it (``async_save`` by
 default, at most one save in flight); the save publishes ``.metadata``
@@ -41,8 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import io as ssio
-from ._steps import COMMIT_MARKER, Step, list_steps, remove_step
+from ._steps import COMMIT_MARKER, Step, Store
 
 __all__ = ["CheckpointManager"]
 
@@ -72,12 +75,15 @@ class CheckpointManager:
     ``enable_async_checkpointing``: save through ``async_save`` (one save in
     flight; ``on_busy``: "wait" for it, or "skip" the new save, agreed by
     all ranks). ``process_group``: the group the saves and loads use.
+    ``root`` is a local directory or an fsspec URL (``s3://bucket/run1``;
+    ``storage_options``: fsspec's keyword arguments, as ``FsspecWriter``'s).
     """
 
     def __init__(
         self,
         root: str | os.PathLike,
         *,
+        storage_options: dict[str, Any] | None = None,
         max_to_keep: int | None = None,
         save_interval_steps: int | None = 1,
         save_interval_seconds: float | None = None,
@@ -101,7 +107,8 @@ class CheckpointManager:
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if keep_best is not None and best_fn is None:
             raise ValueError("keep_best needs best_fn")
-        self.root = Path(root)
+        self._store = Store(root, storage_options)
+        self.root = self._store.root
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.save_interval_seconds = save_interval_seconds
@@ -135,17 +142,17 @@ class CheckpointManager:
             warnings.warn("CheckpointManager: not made in the main thread, so it cannot "
                           "install its preemption signal handlers", stacklevel=2)
         if self._rank == 0:
-            ssio.makedirs(self.root)
+            self._store.makedirs(self.root)
             self._remove_crashed()
         self._barrier()
 
     # -- the steps ----------------------------------------------------------
 
-    def _step_dir(self, step: int) -> Path:
-        return self.root / str(step)
+    def _step_dir(self, step: int) -> Path | str:
+        return self._store.step_path(step)
 
     def _committed(self) -> list[Step]:
-        return [s for s in list_steps(self.root) if s.state == "committed"]
+        return [s for s in self._store.steps() if s.state == "committed"]
 
     def all_steps(self) -> list[int]:
         """The committed steps, ascending."""
@@ -159,19 +166,21 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with a committed step (None: none given)."""
         try:
-            info = json.loads((self._step_dir(step) / COMMIT_MARKER).read_text())
+            info = json.loads(self._store.read(self._store.join(self._step_dir(step),
+                                                                COMMIT_MARKER)))
         except (OSError, ValueError):
             return None
         m = info.get("metrics") if isinstance(info, dict) else None
         return m if isinstance(m, dict) else None
 
     def _remove_crashed(self) -> None:
-        for s in list_steps(self.root):
-            if s.state != "committed" and (s.path / PENDING_MARKER).exists():
+        for s in self._store.steps():
+            if s.state != "committed" and self._store.exists(
+                    self._store.join(s.path, PENDING_MARKER)):
                 warnings.warn(f"CheckpointManager: step {s.step} in {self.root} was left "
                               f"incomplete by an earlier run ({s.state}); removing it",
                               stacklevel=3)
-                remove_step(s)
+                self._store.remove(s)
 
     # -- saving -------------------------------------------------------------
 
@@ -218,25 +227,28 @@ class CheckpointManager:
     def _start(self, step: int, state: Any, metrics: dict[str, Any] | None, sync: bool) -> None:
         from . import async_save, save
 
+        store = self._store
         path = self._step_dir(step)
+        pending = store.join(path, PENDING_MARKER)
         err: BaseException | None = None
-        if path.exists() and not (path / PENDING_MARKER).exists():
+        if store.exists(path) and not store.exists(pending):
             err = FileExistsError(f"{path} exists and is not a step this manager left "
                                   "pending; not overwriting it")
         # every rank looks before rank 0 makes the directory
         self._agree(err, f"checking step {step}'s directory")
         if self._rank == 0:
             try:
-                if path.exists():  # a pending leftover of this step
-                    remove_step(Step(step, path, "incomplete", 0))
-                ssio.makedirs(path)
-                ssio.atomic_publish(path / PENDING_MARKER, b"")
+                if store.exists(path):  # a pending leftover of this step
+                    store.remove(Step(step, path, "incomplete", 0))
+                store.makedirs(path)
+                store.publish(pending, b"")
             except OSError as e:
                 err = e
         self._agree(err, f"preparing step {step}")
         self._last_save = time.monotonic()
         if sync:
-            save(state, checkpoint_id=path, process_group=self.process_group)
+            save(state, checkpoint_id=path, storage_writer=self._writer(path),
+                 process_group=self.process_group)
             err = None
             if self._rank == 0:
                 try:
@@ -245,7 +257,8 @@ class CheckpointManager:
                     err = e
             self._agree(err, f"committing step {step}")
             return
-        fut = async_save(state, checkpoint_id=path, process_group=self.process_group)
+        fut = async_save(state, checkpoint_id=path, storage_writer=self._writer(path),
+                         process_group=self.process_group)
         done = threading.Event()
         self._pending = (step, fut, done)
         fut.add_done_callback(lambda f: self._finish_async(f, step, metrics, done))
@@ -265,10 +278,11 @@ class CheckpointManager:
     def _commit(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Rank 0, after the step's .metadata is published: the commit
         marker, then retention."""
+        store = self._store
         path = self._step_dir(step)
         info = {"step": step, "time": time.time(), "metrics": metrics}
-        ssio.atomic_publish(path / COMMIT_MARKER, json.dumps(info, default=str).encode())
-        ssio.unlink(path / PENDING_MARKER, missing_ok=True)
+        store.publish(store.join(path, COMMIT_MARKER), json.dumps(info, default=str).encode())
+        store.unlink(store.join(path, PENDING_MARKER))
         with self._lock:
             self._retain()
 
@@ -295,7 +309,7 @@ class CheckpointManager:
             keep |= {st for _v, st in sorted(ranked, reverse=True)[: self.keep_best]}
         for s in committed:
             if s.step not in keep:
-                remove_step(s)
+                self._store.remove(s)
 
     def wait(self) -> None:
         """Waits for the save in flight and its commit; raises its error."""
@@ -324,6 +338,23 @@ class CheckpointManager:
         if e is not None:
             raise e
 
+    def _writer(self, path: Path | str) -> Any:
+        """The storage writer of a step: the default one for the path
+        (``None``), or an ``FsspecWriter`` with the manager's
+        ``storage_options``."""
+        if not (self._store.remote and self._store.storage_options):
+            return None
+        from ._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path, **self._store.storage_options)
+
+    def _reader(self, path: Path | str) -> Any:
+        if not (self._store.remote and self._store.storage_options):
+            return None
+        from ._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path, **self._store.storage_options)
+
     # -- restoring ----------------------------------------------------------
 
     def restore(self, state: Any, step: int | None = None) -> int | None:
@@ -339,7 +370,9 @@ class CheckpointManager:
                 return None
         elif step not in self.all_steps():
             raise FileNotFoundError(f"step {step} is not a committed step of {self.root}")
-        load(state, checkpoint_id=self._step_dir(step), process_group=self.process_group)
+        path = self._step_dir(step)
+        load(state, checkpoint_id=path, storage_reader=self._reader(path),
+             process_group=self.process_group)
         return step
 
     # -- agreement and signals ----------------------------------------------
