@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import pytest
 import shardstate.checkpoint as dcp
 import torch
+import torch.distributed.checkpoint as tdcp
 from _child_env import package_env
 from shardstate.checkpoint import CheckpointManager
 from shardstate.checkpoint._steps import list_steps
@@ -42,7 +43,7 @@ def test_policy_and_retention(tmp_path):
     out = _state(-1)
     assert CheckpointManager(tmp_path, preemption_signals=()).restore(out, step=4) == 4
     assert torch.equal(out["x"], _state(4)["x"])
-    with pytest.raises(FileNotFoundError, match="step 6 is not a committed step"):
+    with pytest.raises(FileNotFoundError, match="step 6 is not a step of"):
         CheckpointManager(tmp_path, preemption_signals=()).restore(out, step=6)
 
 
@@ -56,7 +57,7 @@ def test_keep_best_by_metric_and_force(tmp_path):
         assert mgr.save(step, _state(step), metrics={"loss": loss}, force=True)
     assert mgr.all_steps() == [2, 4, 6]  # the two best losses, and the latest
     assert mgr.metrics(4) == {"loss": 2.0}
-    with pytest.raises(ValueError, match="not after the latest committed step 6"):
+    with pytest.raises(ValueError, match="not after the latest step 6"):
         mgr.save(5, _state(5), force=True)
     with pytest.raises(ValueError, match="keep_best needs best_fn"):
         CheckpointManager(tmp_path, keep_best=1)
@@ -70,15 +71,24 @@ def test_crash_leftovers_removed_and_foreign_steps_left(tmp_path):
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / ".shardstate-pending").write_bytes(b"")
     (tmp_path / "2" / "__0_0.distcp").write_bytes(b"partial")
-    # a plain DCP save in the same root: not the manager's, so not touched
-    dcp.save(_state(3), checkpoint_id=tmp_path / "3")
+    # a plain DCP save in the same root, torch's, in torchtitan's naming: not
+    # the manager's, so never removed, but a step to restore
+    tdcp.save(_state(3), checkpoint_id=tmp_path / "step-3")
+    (tmp_path / "5").mkdir()  # somebody's directory: never overwritten
+    (tmp_path / "5" / "notes").write_text("mine")
     with pytest.warns(UserWarning, match="step 2 .* left incomplete"):
-        mgr = CheckpointManager(tmp_path, preemption_signals=())
-    assert not (tmp_path / "2").exists() and (tmp_path / "3" / ".metadata").exists()
-    assert mgr.all_steps() == [1]
-    with pytest.raises(FileExistsError, match="not a step this manager left pending"):
+        mgr = CheckpointManager(tmp_path, max_to_keep=1, preemption_signals=())
+    assert not (tmp_path / "2").exists() and (tmp_path / "step-3" / ".metadata").exists()
+    assert mgr.all_steps() == [1, 3] and mgr.metrics(3) is None
+    out = _state(-1)
+    assert mgr.restore(out) == 3 and torch.equal(out["x"], _state(3)["x"])
+    with pytest.raises(ValueError, match="not after the latest step 3"):
         mgr.save(3, _state(3))
-    assert mgr.save(4, _state(4)) and (mgr.wait() or mgr.all_steps() == [1, 4])
+    with pytest.raises(FileExistsError, match="not a step this manager left pending"):
+        mgr.save(5, _state(5))
+    assert mgr.save(6, _state(6)) and (mgr.wait() or True)
+    # retention removed the manager's step 1, and left torch's step 3 and "5" alone
+    assert mgr.all_steps() == [3, 6] and (tmp_path / "5" / "notes").read_text() == "mine"
 
 
 class _Gate:

@@ -100,22 +100,28 @@ def test_manager_on_s3_policy_retention_restore_and_leftovers(s3):
     marker = json.loads(s3.fs().cat_file(f"{root.removeprefix('s3://')}/6/.shardstate-commit"))
     assert marker["step"] == 6 and marker["metrics"] == {"loss": pytest.approx(1 / 6)}
 
-    # a crashed save (pending marker, a data object, no .metadata) and a
-    # foreign step directory
+    # a crashed save (pending marker, a data object, no .metadata), a
+    # foreign step directory, and a step torch saved (torchtitan's naming)
     fs = s3.fs()
     base = root.removeprefix("s3://")
     fs.pipe({f"{base}/8/.shardstate-pending": b"", f"{base}/8/__0_0.distcp": b"x" * 100,
-             f"{base}/9/notes.txt": b"mine"})
+             f"{base}/12/notes.txt": b"mine"})
+    tdcp.save(_state(11), storage_writer=TorchWriter(f"{root}/step-11", **opts))
     with pytest.warns(UserWarning, match="step 8 .* left incomplete"):
-        mgr = CheckpointManager(root, storage_options=opts, preemption_signals=())
+        mgr = CheckpointManager(root, storage_options=opts, max_to_keep=1,
+                                preemption_signals=())
     assert [(s.step, s.state) for s in list_steps(root, opts)] == [
-        (4, "committed"), (6, "committed"), (9, "incomplete")]
+        (4, "committed"), (6, "committed"), (11, "complete"), (12, "incomplete")]
+    got = _state(0)
+    assert mgr.restore(got) == 11 and torch.equal(got["w"], _state(11)["w"])
     with pytest.raises(FileExistsError, match="not overwriting"):
-        mgr.save(9, _state(9))
-    assert mgr.save(10, _state(10), force=True)
+        mgr.save(12, _state(12))
+    assert mgr.save(13, _state(13), force=True)
     mgr.close()
-    assert mgr.all_steps() == [4, 6, 10]
-    assert fs.cat_file(f"{base}/9/notes.txt") == b"mine"
+    # retention (the last 1) removed the manager's steps; torch's and the foreign stay
+    assert mgr.all_steps() == [11, 13]
+    assert fs.cat_file(f"{base}/12/notes.txt") == b"mine"
+    assert {k.split("/")[0] for k in _keys(s3, root)} == {"step-11", "12", "13"}
 
 
 def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

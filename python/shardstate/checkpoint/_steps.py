@@ -5,9 +5,11 @@ at an fsspec URL (``s3://bucket/run1``, ``memory://run1``, ...).
 
 A step is *committed* when its ``.metadata`` is published and the commit
 marker ``.shardstate-commit`` is written after it (what shardstate's
-checkpoint manager does), *complete* when it has a ``.metadata`` but no
-marker (a plain DCP save, torch's or ours), and *incomplete* otherwise (a
-save that is running or that crashed).
+checkpoint manager does), *complete* when it has a ``.metadata`` and
+neither marker (a plain DCP save, torch's or ours: ``.metadata`` is written
+last), and *incomplete* otherwise: no ``.metadata``, or the manager's
+pending marker ``.shardstate-pending`` still there (a save that is running
+or that crashed).
 
 ``Store`` is the little a root needs from its storage (list, read, publish,
 remove), on a local filesystem through the C engine's calls and elsewhere
@@ -27,10 +29,12 @@ from typing import Any
 
 from .. import io as ssio
 
-__all__ = ["COMMIT_MARKER", "Step", "Store", "is_url", "list_steps", "remove_step"]
+__all__ = ["COMMIT_MARKER", "PENDING_MARKER", "Step", "Store", "is_url", "list_steps",
+           "remove_step"]
 
 COMMIT_MARKER = ".shardstate-commit"
-_METADATA = ".metadata"
+PENDING_MARKER = ".shardstate-pending"
+_MARKERS = (_METADATA := ".metadata", COMMIT_MARKER, PENDING_MARKER)
 _STEP_NAME = re.compile(r"(?:step[_-]?)?([0-9]+)")
 # a marker is a few hundred bytes of JSON: anything bigger is not ours
 _MAX_MARKER_BYTES = 1 << 20
@@ -55,9 +59,12 @@ def is_url(root: str | os.PathLike) -> bool:
 
 
 def _state(names: set[str]) -> str:
+    """A step's state from which of ``_MARKERS`` it holds."""
     if _METADATA not in names:
         return "incomplete"
-    return "committed" if COMMIT_MARKER in names else "complete"
+    if COMMIT_MARKER in names:
+        return "committed"
+    return "incomplete" if PENDING_MARKER in names else "complete"
 
 
 class Store:
@@ -164,8 +171,7 @@ class Store:
                         size += os.lstat(os.path.join(dirpath, f)).st_size
                     except OSError:
                         pass
-            names = {n for n in (_METADATA, COMMIT_MARKER)
-                     if os.path.isfile(os.path.join(entry.path, n))}
+            names = {n for n in _MARKERS if os.path.isfile(os.path.join(entry.path, n))}
             found[entry.name] = (m, names, size)
         return found
 
@@ -188,7 +194,7 @@ class Store:
             _m, names, size = found.get(name, (m, set(), 0))
             if info.get("type", "file") != "directory":
                 size += int(info.get("size") or 0)
-                if rest in (_METADATA, COMMIT_MARKER):
+                if rest in _MARKERS:
                     names.add(rest)
             elif not rest:  # the step's own directory entry
                 pass

@@ -45,13 +45,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._steps import COMMIT_MARKER, Step, Store
+from ._steps import COMMIT_MARKER, PENDING_MARKER, Step, Store
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-PENDING_MARKER = ".shardstate-pending"
 
 
 def _dist() -> Any:
@@ -155,9 +153,11 @@ class CheckpointManager:
         return [s for s in self._store.steps() if s.state == "committed"]
 
     def all_steps(self) -> list[int]:
-        """The committed steps, ascending."""
+        """The steps there are to restore, ascending: the committed ones,
+        and complete checkpoints of other writers in the root's layout
+        (torch's or shardstate's plain DCP saves, e.g. ``step-100``)."""
         self._raise_error()
-        return [s.step for s in self._committed()]
+        return [s.step for s in self._store.steps() if s.loadable]
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -198,8 +198,8 @@ class CheckpointManager:
              force: bool = False) -> bool:
         """Saves ``state`` as ``step`` when the policy (or ``force``) says
         so; returns whether a save was started. Every rank must call it
-        with the same step. A step at or below the latest committed one is
-        refused (ValueError)."""
+        with the same step. A step at or below the latest one (``all_steps``)
+        is refused (ValueError)."""
         self._raise_error()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -218,7 +218,7 @@ class CheckpointManager:
             if preempted:  # this step is committed already
                 self._preempted()
                 return True
-            raise ValueError(f"step {step} is not after the latest committed step {latest}")
+            raise ValueError(f"step {step} is not after the latest step {latest} of {self.root}")
         self._start(step, state, metrics, sync=preempted or not self.async_save)
         if preempted:
             self._preempted()
@@ -358,22 +358,26 @@ class CheckpointManager:
     # -- restoring ----------------------------------------------------------
 
     def restore(self, state: Any, step: int | None = None) -> int | None:
-        """Loads ``step`` (default: the latest committed) into ``state``
-        in place, at any world size; returns the step, or None when there
-        is none to restore."""
+        """Loads ``step`` (default: the latest in ``all_steps``) into
+        ``state`` in place, at any world size; returns the step, or None
+        when there is none to restore."""
         from . import load
 
         self.wait()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                return None
-        elif step not in self.all_steps():
-            raise FileNotFoundError(f"step {step} is not a committed step of {self.root}")
-        path = self._step_dir(step)
-        load(state, checkpoint_id=path, storage_reader=self._reader(path),
+        steps = [s for s in self._store.steps() if s.loadable]
+        if step is not None:
+            steps = [s for s in steps if s.step == step]
+            if not steps:
+                raise FileNotFoundError(f"step {step} is not a step of {self.root} "
+                                        "to restore (committed or complete)")
+        if not steps:
+            return None
+        # of one step under two names (``7`` and ``step-7``), the committed one
+        found = max((s for s in steps if s.step == steps[-1].step),
+                    key=lambda s: s.state == "committed")
+        load(state, checkpoint_id=found.path, storage_reader=self._reader(found.path),
              process_group=self.process_group)
-        return step
+        return found.step
 
     # -- agreement and signals ----------------------------------------------
 
