@@ -19,8 +19,10 @@ default, at most one save in flight); the save publishes ``.metadata``
 last; then rank 0 writes the commit marker (``.shardstate-commit``, JSON:
 step, time, metrics) atomically, and only then applies retention: only
 committed steps that no rule keeps are removed, ``.metadata`` first. A
-step is visible (``all_steps``, ``latest_step``, ``restore``) only once
-committed. At start, steps a crashed run left pending are reported
+step of the manager's is visible (``all_steps``, ``latest_step``,
+``restore``) only once committed; a complete checkpoint another writer left
+in the root (torch's plain DCP save as ``step-100``, say) is visible too,
+and never removed. At start, steps a crashed run left pending are reported
 (a warning) and removed by rank 0 before any rank goes on.
 
 Preemption: with ``preemption_signals`` (default SIGTERM), a signal sets a
