@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" "setuptools>=77" \
 	    "zstandard>=0.22" wheel \
-	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4"
+	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4" "tqdm>=4.60"
 	touch $@
 
 venv: $(STAMP)
@@ -62,7 +62,7 @@ $(WHEEL_STAMP): pyproject.toml
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q --upgrade pip
 	$(WHEEL_ENV) $(WHEEL_VENV)/bin/pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" \
 	    "hypothesis>=6" "setuptools>=77" "zstandard>=0.22" \
-	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4"
+	    "fsspec>=2023.1" "s3fs>=2023.1" "moto[server]>=5" "safetensors>=0.4" "tqdm>=4.60"
 	touch $@
 
 test: $(WHEEL_STAMP)

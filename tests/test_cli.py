@@ -248,6 +248,37 @@ def test_convert_to_safetensors_consolidated_and_sharded_and_back(tmp_path):
                "safetensors").returncode == 3
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_only(ckpts):
+    from shardstate._progress import Progress
+    from shardstate.checkpoint._inspect import diff, verify
+
+    tty = _Terminal()
+    bar = Progress("verify", 0, stream=tty)
+    report = verify(ckpts["ours"], progress=bar)
+    bar.close()
+    assert report.ok
+    shown = tty.getvalue()
+    # tqdm's line: the label, bytes done of the total, a rate; full at the end
+    assert shown.startswith("\r") and "verify: 100%" in shown and "B/s" in shown
+    k = f"{report.checked_bytes / 1000:.1f}k"
+    assert f"{k}/{k}" in shown
+    tty = _Terminal()
+    bar = Progress("diff", 0, stream=tty)
+    assert diff(ckpts["torch"], ckpts["ours"], progress=bar) == []
+    bar.close()
+    assert "diff: 100%" in tty.getvalue()
+    quiet = _Terminal()
+    bar = Progress("verify", 10, stream=quiet, enabled=False)
+    bar(10)
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
 def _step(root: Path, n: int, state: str) -> None:
     p = root / str(n)
     dcp.save({"x": torch.full((4,), float(n))}, checkpoint_id=p)

@@ -1,12 +1,11 @@
-"""A one-line progress bar on stderr for the ``shardstate`` command: bytes
-done, rate and time left, redrawn at most ten times a second; silent when
-stderr is not a terminal or when turned off (``--quiet``)."""
+"""The ``shardstate`` command's progress bar: tqdm's, on stderr, in bytes
+(done, rate, time left); silent when stderr is not a terminal or when
+turned off (``--quiet``)."""
 
 from __future__ import annotations
 
 import sys
-import time
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def _human(n: float) -> str:
@@ -18,36 +17,31 @@ def _human(n: float) -> str:
 
 
 class Progress:
-    def __init__(self, label: str, total: int, *, enabled: bool | None = None,
+    """``progress(n, total=None)``: ``n`` more bytes done (and the total,
+    when it becomes known), as the library's work reports it."""
+
+    def __init__(self, label: str, total: int | None, *, enabled: bool | None = None,
                  stream: TextIO | None = None) -> None:
-        self.stream = sys.stderr if stream is None else stream
+        stream = sys.stderr if stream is None else stream
         if enabled is None:
-            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+            enabled = bool(getattr(stream, "isatty", lambda: False)())
         self.enabled = enabled
-        self.label, self.total, self.done = label, max(total, 0), 0
-        self.start = self._last = time.monotonic()
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total or None, desc=label, unit="B", unit_scale=True,
+                             unit_divisor=1000, file=stream, dynamic_ncols=True, leave=True)
 
     def __call__(self, n: int, total: int | None = None) -> None:
-        if total is not None:
-            self.total = max(total, 0)
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last >= 0.1 or self.done >= self.total):
-            self._last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        secs = max(now - self.start, 1e-9)
-        rate = self.done / secs
-        frac = min(self.done / self.total, 1.0) if self.total else 1.0
-        left = (self.total - self.done) / rate if rate > 0 else 0.0
-        bar = "#" * int(frac * 24)
-        self.stream.write(f"\r{self.label} [{bar:<24}] {_human(self.done)}/{_human(self.total)} "
-                          f"{_human(rate)}/s {int(left) // 60}:{int(left) % 60:02d} left ")
-        self.stream.flush()
+        if self._bar is None:
+            return
+        if total is not None and total != self._bar.total:
+            self._bar.total = max(total, 0)
+            self._bar.refresh()
+        self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -3,7 +3,7 @@
     shardstate ls ROOT [--json]                step checkpoints under ROOT
     shardstate inspect CKPT [--chunks] [--json]
     shardstate verify CKPT [--quiet]           every reference and record CRC
-    shardstate diff A B [--rtol R] [--atol A]  keys, dtypes, shapes, values
+    shardstate diff A B [--rtol R] [--atol A] [--quiet]  keys, dtypes, shapes, values
     shardstate convert SRC DST [--to torch_save|safetensors|dcp] [--max-shard-size SIZE]
     shardstate prune ROOT --keep K [--incomplete] [--dry-run]
 
@@ -99,9 +99,14 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_diff(a: argparse.Namespace) -> int:
+    from ._progress import Progress
     from .checkpoint._inspect import diff
 
-    lines = diff(a.a, a.b, rtol=a.rtol, atol=a.atol)
+    bar = Progress("diff", 0, enabled=False if a.quiet else None)
+    try:
+        lines = diff(a.a, a.b, rtol=a.rtol, atol=a.atol, progress=bar)
+    finally:
+        bar.close()
     for line in lines:
         print(line)
     if lines:
@@ -245,6 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("b")
     s.add_argument("--rtol", type=float, default=0.0)
     s.add_argument("--atol", type=float, default=0.0)
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     s.set_defaults(run=_cmd_diff)
     s = sub.add_parser("convert", help="DCP checkpoint <-> torch.save file or safetensors")
     s.add_argument("src")

@@ -491,7 +491,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, rtol: float = 0.0,
     """The differences between checkpoints ``a`` and ``b``, one line each
     (none: the same keys, dtypes, shapes and values, within ``rtol`` /
     ``atol`` for tensors; NaNs equal NaNs). Sharding does not matter: each
-    tensor is compared whole."""
+    tensor is compared whole. ``progress`` is called with the tensor bytes
+    compared since its last call and the bytes there are to compare."""
     ra, ma = _open(a)
     rb, mb = _open(b)
     out: list[str] = []
@@ -512,6 +513,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, rtol: float = 0.0,
                        f"{_dtype_name(y.properties.dtype)} {list(y.size)} in {b}")
         else:
             common.append(k)
+    size = {k: math.prod(ka[k].size) * _itemsize(ka[k].properties.dtype)
+            if _is_tensor(ka[k]) else 0 for k in common}
+    total = sum(size.values())  # tensor bytes of one side to compare
     batch: list[str] = []
     used = 0
 
@@ -525,11 +529,10 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, rtol: float = 0.0,
             elif not _same_bytes_item(pa.raw[k], pb.raw[k]):
                 out.append(f"{k}: bytes items differ")
         if progress is not None:
-            progress(used)
+            progress(used, total)
 
     for k in common:
-        x = ka[k]
-        n = math.prod(x.size) * _itemsize(x.properties.dtype) if _is_tensor(x) else 0
+        n = size[k]
         if batch and used + n > _DIFF_BATCH:
             flush()
             batch, used = [], 0
