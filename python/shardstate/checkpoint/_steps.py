@@ -143,18 +143,20 @@ class Store:
             return bool(self.fs.isdir(self._base))
         return Path(self.root).is_dir()
 
-    def steps(self) -> list[Step]:
-        """The steps under the root, ascending (none when it is missing)."""
+    def steps(self, sizes: bool = True) -> list[Step]:
+        """The steps under the root, ascending (none when it is missing).
+        ``sizes=False``: a local root's steps are not walked for their
+        sizes (0); an object store's listing has them anyway."""
         if self.remote:
             found = self._remote_scan()
         else:
-            found = self._local_scan()
+            found = self._local_scan(sizes)
         out = [Step(int(m.group(1)), self.join(self.root, name), _state(names), size)
                for name, (m, names, size) in found.items()]
         out.sort(key=lambda s: (s.step, os.fspath(s.path)))
         return out
 
-    def _local_scan(self) -> dict[str, tuple[Any, set[str], int]]:
+    def _local_scan(self, sizes: bool) -> dict[str, tuple[Any, set[str], int]]:
         found = {}
         try:
             entries = list(os.scandir(self.root))
@@ -165,7 +167,7 @@ class Store:
             if m is None or not entry.is_dir(follow_symlinks=False):
                 continue
             size = 0
-            for dirpath, _dirs, files in os.walk(entry.path):
+            for dirpath, _dirs, files in os.walk(entry.path) if sizes else ():
                 for f in files:
                     try:
                         size += os.lstat(os.path.join(dirpath, f)).st_size

@@ -152,14 +152,14 @@ class CheckpointManager:
         return self._store.step_path(step)
 
     def _committed(self) -> list[Step]:
-        return [s for s in self._store.steps() if s.state == "committed"]
+        return [s for s in self._store.steps(sizes=False) if s.state == "committed"]
 
     def all_steps(self) -> list[int]:
         """The steps there are to restore, ascending: the committed ones,
         and complete checkpoints of other writers in the root's layout
         (torch's or shardstate's plain DCP saves, e.g. ``step-100``)."""
         self._raise_error()
-        return [s.step for s in self._store.steps() if s.loadable]
+        return [s.step for s in self._store.steps(sizes=False) if s.loadable]
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -176,7 +176,7 @@ class CheckpointManager:
         return m if isinstance(m, dict) else None
 
     def _remove_crashed(self) -> None:
-        for s in self._store.steps():
+        for s in self._store.steps(sizes=False):
             if s.state != "committed" and self._store.exists(
                     self._store.join(s.path, PENDING_MARKER)):
                 warnings.warn(f"CheckpointManager: step {s.step} in {self.root} was left "
@@ -366,7 +366,7 @@ class CheckpointManager:
         from . import load
 
         self.wait()
-        steps = [s for s in self._store.steps() if s.loadable]
+        steps = [s for s in self._store.steps(sizes=False) if s.loadable]
         if step is not None:
             steps = [s for s in steps if s.step == step]
             if not steps:
