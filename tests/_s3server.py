@@ -9,6 +9,7 @@ keyword arguments ``FsspecWriter`` / ``FsspecReader`` pass to fsspec.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 _KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -87,3 +89,15 @@ class S3Server:
 
     def make_bucket(self, name: str) -> None:
         self.fs().mkdir(name)
+
+
+@contextlib.contextmanager
+def serving(bucket: str) -> Iterator[S3Server]:
+    """A server started with ``bucket`` made, stopped at the end (a test
+    module's fixture)."""
+    server = S3Server().start()
+    try:
+        server.make_bucket(bucket)
+        yield server
+    finally:
+        server.stop()

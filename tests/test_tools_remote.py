@@ -32,7 +32,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _child_env import package_env  # noqa: E402
-from _s3server import S3Server  # noqa: E402
+from _s3server import S3Server, serving  # noqa: E402
 
 BUCKET = "shardstate-tools"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -40,12 +40,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server().start()
-    try:
-        server.make_bucket(BUCKET)
+    with serving(BUCKET) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
