@@ -175,6 +175,7 @@ FUZZ_LIMITS  := -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=512
 
 build/fuzz/fuzz_pickle: csrc/core/ss_pickle.c csrc/core/ss_error.c
 build/fuzz/fuzz_mdread: csrc/core/ss_mdread.c csrc/core/ss_pickle.c csrc/core/ss_error.c
+build/fuzz/fuzz_stheader: csrc/core/ss_stheader.c csrc/core/ss_error.c
 build/fuzz/fuzz_zipread: csrc/core/ss_zipread.c csrc/core/ss_zipdtype.c csrc/core/ss_crc.c csrc/core/ss_crc_x86.c \
     csrc/core/ss_error.c
 

@@ -747,10 +747,11 @@ static int check_tiling(parser *ps, uint64_t data_len)
     size_t last = 0;
     int rc = 0;
     if (ps->nt == 0)
-        return data_len ? fail(ps, SS_EINVAL,
-                               "no tensor covers the data's %llu bytes",
-                               (unsigned long long)data_len)
-                        : 0;
+        return data_len && data_len != SS_ST_ANY_LEN
+                   ? fail(ps, SS_EINVAL,
+                          "no tensor covers the data's %llu bytes",
+                          (unsigned long long)data_len)
+                   : 0;
     s = malloc(ps->nt * sizeof *s);
     if (s == NULL)
         return fail(ps, SS_ENOMEM, "out of memory");
@@ -779,7 +780,7 @@ static int check_tiling(parser *ps, uint64_t data_len)
         cursor = s[i].end;
         last = s[i].idx;
     }
-    if (rc == 0 && cursor != data_len)
+    if (rc == 0 && cursor != data_len && data_len != SS_ST_ANY_LEN)
         rc = fail(ps, SS_EINVAL,
                   "the tensors' data ends at byte %llu of the data's %llu "
                   "(bytes after the last tensor)",
@@ -901,6 +902,9 @@ int ss_st_parse(const uint8_t *head, size_t len, uint64_t data_len,
     rc = parse_top(&ps, data_len);
     if (rc < 0)
         goto out;
+    _Static_assert(sizeof(ss_st_tensor) % 8 == 0 &&
+                       sizeof(ss_st_header) % 8 == 0,
+                   "tables stay 8-byte aligned in one block");
     sz_t = ps.nt * sizeof *ps.t;
     sz_d = ps.ndims * sizeof *ps.dims;
     sz_m = 4 * ps.nmeta * sizeof *ps.meta;
@@ -911,11 +915,19 @@ int ss_st_parse(const uint8_t *head, size_t len, uint64_t data_len,
     }
     h = (ss_st_header *)mem;
     mem += sizeof *h;
-    h->tensors = sz_t ? memcpy(mem, ps.t, sz_t) : NULL;
+    /* every table points into the block, even when empty (never NULL,
+     * so table + 0 is defined); each size is a multiple of 8 */
+    if (sz_t)
+        memcpy(mem, ps.t, sz_t);
+    h->tensors = (const ss_st_tensor *)(void *)mem;
     mem += sz_t;
-    h->dims = sz_d ? memcpy(mem, ps.dims, sz_d) : NULL;
+    if (sz_d)
+        memcpy(mem, ps.dims, sz_d);
+    h->dims = (const int64_t *)(void *)mem;
     mem += sz_d;
-    h->meta = sz_m ? memcpy(mem, ps.meta, sz_m) : NULL;
+    if (sz_m)
+        memcpy(mem, ps.meta, sz_m);
+    h->meta = (const size_t *)(void *)mem;
     mem += sz_m;
     h->strings = memcpy(mem, ps.str, ps.nstr + 1);
     h->ntensors = ps.nt;

@@ -71,9 +71,13 @@ typedef struct ss_st_header {
 int ss_st_prefix(const uint8_t prefix[8], uint64_t file_size,
                  uint64_t *head_len, ss_errinfo *err);
 
+/* data_len when the file's size is not known (a header read from a
+ * stream): every check but the last tensor ending at the data's end. */
+#define SS_ST_ANY_LEN UINT64_MAX
+
 /* Parse and check head[0, len) (the JSON after the length prefix) for a
- * data area of data_len bytes. 0 with *out set, or a negative code with
- * *out NULL. */
+ * data area of data_len bytes (or SS_ST_ANY_LEN). 0 with *out set, or a
+ * negative code with *out NULL. */
 int ss_st_parse(const uint8_t *head, size_t len, uint64_t data_len,
                 ss_st_header **out, ss_errinfo *err);
 
