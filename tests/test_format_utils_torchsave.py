@@ -138,3 +138,29 @@ def test_dcp_to_torch_save_is_torchs_file(tmp_path: Path) -> None:
     want = torch.load(tmp_path / "t" / "out.pt", weights_only=True)
     assert list(again) == list(want)
     _same(again, want, "again")
+
+
+def test_save_follows_torchs_serialization_options(tmp_path: Path) -> None:
+    """CRC-32s off (every CRC written 0, as torch then writes them): still
+    torch.save's bytes, read back unchecked; another storage alignment:
+    torch.save writes the file, torch.load reads it."""
+    from torch.utils.serialization import config
+
+    obj = {"a": torch.arange(10.0), "b": [torch.ones(3, dtype=torch.int64)], "n": 5}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "s").mkdir()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, tmp_path / "t" / "m.pt")
+        _torchsave.save(obj, tmp_path / "s" / "m.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert (tmp_path / "s" / "m.pt").read_bytes() == (tmp_path / "t" / "m.pt").read_bytes()
+    _same(_torchsave.load(tmp_path / "s" / "m.pt"), obj, "nocrc")
+    old = config.save.storage_alignment
+    config.save.storage_alignment = 4096
+    try:
+        _torchsave.save(obj, tmp_path / "s" / "a.pt")
+        _same(torch.load(tmp_path / "s" / "a.pt", weights_only=True), obj, "aligned")
+    finally:
+        config.save.storage_alignment = old

@@ -166,10 +166,22 @@ def _storage_view(storage: Any) -> np.ndarray:
 
 def save(obj: Any, path: str | os.PathLike, *, archive: str | None = None,
          fsync: bool = True, threads: int | None = None) -> None:
-    """``torch.save(obj, path)``, its storages written by the engine."""
+    """``torch.save(obj, path)``, its storages written by the engine.
+    With a storage alignment other than 64 set in torch's serialization
+    config, torch.save writes the file (into a file object: its folder is
+    then "archive")."""
     import torch.serialization as ts
 
     p = os.fspath(path)
+    if ts._get_storage_alignment() != _zipfmt._ALIGN:
+        with open(p, "wb") as f:
+            ts.save(obj, f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        return
+    # torch.serialization.set_crc32_options(False): every CRC-32 written as 0
+    crc32 = ts.get_crc32_options()
     rec = _Recorder()
     ts._save(obj, rec, pickle, ts.DEFAULT_PROTOCOL, False)
     records = rec.records + [("version", _zipfmt._VERSION, len(_zipfmt._VERSION))]
@@ -188,9 +200,9 @@ def save(obj: Any, path: str | os.PathLike, *, archive: str | None = None,
         crc: int | None
         if isinstance(payload, bytes):
             frames.append((data, payload))
-            crc = zlib.crc32(payload)
+            crc = zlib.crc32(payload) if crc32 else 0
         else:
-            crc = None if size else 0
+            crc = None if size and crc32 else 0
             if size:
                 if payload.device.type != "cpu":
                     payload = payload.cpu()
@@ -200,7 +212,7 @@ def save(obj: Any, path: str | os.PathLike, *, archive: str | None = None,
         entries.append([full, size, cursor, z64, crc, data + size])
         cursor = data + size + len(_zipfmt._descriptor(0, size, z64))
     crcs = ssio.write_records([p], np.array(rows, np.int64).reshape(-1, 5), buffers, [],
-                              fsync=False, checksum=True, writeback=fsync, threads=threads)
+                              fsync=False, checksum=crc32, writeback=fsync, threads=threads)
     it = iter(crcs)
     for e in entries:
         if e[4] is None:
@@ -215,7 +227,8 @@ def save(obj: Any, path: str | os.PathLike, *, archive: str | None = None,
     full = f"{folder}/{_zipfmt._SID_NAME}".encode()
     head, z64 = _zipfmt._local_header(cursor, full, len(sid))
     frames += [(cursor, head), (cursor + len(head), sid)]
-    entries.append([full, len(sid), cursor, z64, zlib.crc32(sid), cursor + len(head) + len(sid)])
+    entries.append([full, len(sid), cursor, z64, zlib.crc32(sid) if crc32 else 0,
+                    cursor + len(head) + len(sid)])
     cursor += len(head) + len(sid) + len(_zipfmt._descriptor(0, len(sid), z64))
     cd = b"".join(_zipfmt._central_header(e[0], e[4], e[1], e[2]) for e in entries)
     for _full, size, _ofs, z64, crc, end in entries:
