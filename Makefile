@@ -145,6 +145,8 @@ build/tsan/%: tests/c/%.c $(CORE_SRC) $(wildcard csrc/core/*.h) tests/c/ss_test.
 	@mkdir -p build/tsan
 	$(CC) $(CFLAGS_C) -fsanitize=thread -o $@ $< $(CORE_SRC) -ldl
 
+# A single-module parser's test links only its module (a tenth of the build).
+build/ctest/test_stheader build/tsan/test_stheader: CORE_SRC = csrc/core/ss_stheader.c csrc/core/ss_error.c
 build/tsan/test_cuda build/tsan/test_devcuda build/tsan/test_comm: $(FAKE_LIBS)
 build/tsan/test_cuda build/tsan/test_devcuda build/tsan/test_comm: CFLAGS_C += -DSS_TEST_FAKE_DIR='"$(CURDIR)/$(FAKE_DIR)"'
 
@@ -175,6 +177,7 @@ FUZZ_LIMITS  := -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=512
 
 build/fuzz/fuzz_pickle: csrc/core/ss_pickle.c csrc/core/ss_error.c
 build/fuzz/fuzz_mdread: csrc/core/ss_mdread.c csrc/core/ss_pickle.c csrc/core/ss_error.c
+build/fuzz/fuzz_stheader: csrc/core/ss_stheader.c csrc/core/ss_error.c
 build/fuzz/fuzz_zipread: csrc/core/ss_zipread.c csrc/core/ss_zipdtype.c csrc/core/ss_crc.c csrc/core/ss_crc_x86.c \
     csrc/core/ss_error.c
 

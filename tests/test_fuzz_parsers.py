@@ -32,6 +32,7 @@ falsifying example; another seed (and SHARDSTATE_FUZZ_EXAMPLES) explores further
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import pickletools
@@ -95,13 +96,16 @@ ZSTD_ITEMS = {n: (b, (CORPUS / "records" / f"{n}.desc").read_text().split())
               for n, b in _files(CORPUS / "records", "*.zst").items()}
 METADATA = {n: b for n, b in PICKLES.items() if n.startswith("metadata_")}
 KEPT = {n: b for n, b in _files(CRASHES).items() if n != "README.md"}  # every kept input
+# whole safetensors files (st_*: the safetensors package's, ss_*: shardstate's)
+SAFETENSORS = {n: b for n, b in _files(CORPUS / "fuzz_stheader").items()
+               if n.startswith(("st_", "ss_"))}
 
 
 def test_corpus_is_there() -> None:
     """The seeds the properties below mutate (an empty corpus would make
     them vacuous)."""
     assert len(METADATA) >= 4 and len(RECORDS) >= 8 and len(BYTES_ITEMS) >= 3
-    assert len(ZSTD_ITEMS) >= 4 and len(PICKLES) >= 60
+    assert len(ZSTD_ITEMS) >= 4 and len(PICKLES) >= 60 and len(SAFETENSORS) >= 5
     assert sum(map(len, PICKLES.values())) + sum(map(len, RECORDS.values())) < 400_000
 
 
@@ -211,6 +215,29 @@ def mutated(draw: Any, seeds: dict[str, bytes], max_edits: int = 4) -> bytes:
 # --------------------------------------------------------------------------
 # The parsers, each with its contract
 # --------------------------------------------------------------------------
+
+
+def check_safetensors(data: bytes) -> None:
+    """A safetensors file's header (the C parser behind
+    ``_safetensors.parse_header``): SafetensorsError, or entries that lie
+    inside the file, sized by dtype and shape, tiling the data exactly."""
+    from shardstate.checkpoint import _safetensors as S
+
+    if len(data) < 8:
+        return
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > S.MAX_HEADER or 8 + n > len(data):
+        return
+    try:
+        h = S.parse_header("f", data[8:8 + n], len(data))
+    except S.SafetensorsError as e:
+        assert str(e).startswith("f: "), e
+        return
+    cursor = h.data_start
+    for e in sorted(h.tensors.values(), key=lambda e: (e.begin, e.nbytes)):
+        assert e.begin == cursor and e.nbytes == S.DTYPE_SIZE[e.dtype] * math.prod(e.shape)
+        cursor += e.nbytes
+    assert cursor == len(data)
 
 
 def check_parse_record(data: bytes) -> _zipfmt.RecordInfo | None:
@@ -334,6 +361,23 @@ def check_transformed(stored: bytes, desc: list[str], recogniser: Any) -> None:
 # --------------------------------------------------------------------------
 # Properties
 # --------------------------------------------------------------------------
+
+
+def test_safetensors_seeds_parse() -> None:
+    from shardstate.checkpoint import _safetensors as S
+
+    for name, data in SAFETENSORS.items():
+        (n,) = struct.unpack("<Q", data[:8])
+        h = S.parse_header(name, data[8:8 + n], len(data))  # every seed is a valid file
+        assert len(h.tensors) == data[8:8 + n].count(b'"data_offsets"'), name
+        check_safetensors(data)
+
+
+@FUZZ
+@seed(SEED)
+@given(mutated(SAFETENSORS))
+def test_fuzz_safetensors_header(data: bytes) -> None:
+    check_safetensors(data)
 
 
 @FUZZ
@@ -514,6 +558,7 @@ def test_fuzz_checkpoint_files(checkpoints: dict[str, Path], kind: str, file: st
 
 
 def _every_reader(data: bytes) -> None:
+    check_safetensors(data)
     check_pickle(data)
     check_parse_record(data)
     check_bytes_item(data)

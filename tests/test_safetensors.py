@@ -261,6 +261,12 @@ def _good(dtype: str = "F32", shape: Any = (2,), offs: Any = (0, 8)) -> dict[str
     ("extra_key", r"tensor 'w'.*exactly dtype, shape and data_offsets"),
     ("bad_metadata", r"__metadata__ must map strings to strings"),
     ("bad_sharding", r"tensor 'w'.*DCP_SHARDING_INFO has no valid saved_offsets"),
+    ("hole", r"tensor 'w'.*\[8, 12\) to no tensor \(a hole\)"),
+    ("trailing", r"data ends at byte 8 of the data's 16 \(bytes after the last tensor\)"),
+    ("leading_space", r"header does not begin with '\{'"),
+    ("lone_surrogate", r"not valid JSON: lone high surrogate"),
+    ("float_dim", r"tensor 'w'.*bad shape"),
+    ("overflow", r"tensor 'w'.*bad shape \[1048576, .*overflows"),
 ])
 def test_bad_files_refused(tmp_path: Path, case: str, match: str) -> None:
     data = bytes(16)
@@ -298,9 +304,23 @@ def test_bad_files_refused(tmp_path: Path, case: str, match: str) -> None:
         p = _file(tmp_path, {"w": dict(_good(), extra=1)}, data)
     elif case == "bad_metadata":
         p = _file(tmp_path, {"__metadata__": {"a": 1}, "w": _good()}, data)
+    elif case == "hole":
+        p = _file(tmp_path, {"v": _good(offs=(0, 8)), "w": _good(offs=(12, 20))}, bytes(20))
+    elif case == "trailing":
+        p = _file(tmp_path, {"w": _good()}, data)
+    elif case == "leading_space":
+        p = _file(tmp_path, None, data[:8], raw_header=b" " + json.dumps({"w": _good()}).encode())
+    elif case == "lone_surrogate":
+        p = _file(tmp_path, None, data[:8], raw_header=b'{"\\ud800": %s}' % json.dumps(
+            _good()).encode())
+    elif case == "float_dim":
+        p = _file(tmp_path, None, data[:8], raw_header=json.dumps(
+            {"w": _good()}).encode().replace(b"[2]", b"[2.0]"))
+    elif case == "overflow":
+        p = _file(tmp_path, {"w": _good(shape=(1 << 20,) * 4)}, data[:8])
     else:
         p = _file(tmp_path, {"__metadata__": {"DCP_SHARDING_INFO": json.dumps(
-            {"w": {"saved_offsets": [0, 0]}})}, "w": _good()}, data)
+            {"w": {"saved_offsets": [0, 0]}})}, "w": _good()}, data[:8])
     with pytest.raises(st.SafetensorsError, match=match) as info:
         HuggingFaceStorageReader(str(tmp_path)).read_metadata()
     assert str(p) in str(info.value)
@@ -327,6 +347,65 @@ def test_mutated_headers_raise_only_format_errors(tmp_path: Path) -> None:
         for e in h.tensors.values():  # what is accepted lies inside the file
             assert h.data_start <= e.begin and e.begin + e.nbytes <= h.file_size
     assert refused > 100
+
+
+def _ours(buf: bytes) -> list[tuple[str, str, list[int], int, int]] | None:
+    """What the C parser accepts of a whole file in memory: sorted
+    (name, dtype, shape, begin, end) relative to the data, or None."""
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > st.MAX_HEADER or 8 + n > len(buf):
+        return None
+    try:
+        h = st.parse_header("mem", buf[8:8 + n], len(buf))
+    except st.SafetensorsError:
+        return None
+    return sorted((e.name, e.dtype, list(e.shape), e.begin - h.data_start,
+                   e.begin - h.data_start + e.nbytes) for e in h.tensors.values())
+
+
+def _reference(buf: bytes) -> list[tuple[str, str, list[int], int, int]] | None:
+    import safetensors
+
+    try:
+        got = safetensors.deserialize(buf)
+    except Exception:  # the package's SafetensorError, or its JSON errors
+        return None
+    (n,) = struct.unpack("<Q", buf[:8])
+    head = json.loads(buf[8:8 + n])
+    return sorted((k, v["dtype"], list(v["shape"]), *head[k]["data_offsets"]) for k, v in got)
+
+
+def test_c_parser_agrees_with_safetensors_on_mutations() -> None:
+    """Random byte mutations of a real header (bytes from the JSON's own
+    alphabet, so many stay JSON and reach the entry and tiling checks): the
+    C parser and the safetensors package accept and refuse the same files,
+    and read the same entries from those they accept. The only allowed
+    difference is the format's rules the package does not enforce (a
+    duplicate key, a header not beginning with '{'), which the C parser
+    refuses."""
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(6).reshape(2, 3),
+          "c": torch.zeros(0, 2, dtype=torch.float16)}
+    good = save(sd, metadata={"k": "v"})
+    n = struct.unpack("<Q", good[:8])[0]
+    alphabet = b'{}[]",:\\ 0123456789-.eEabcku_FIU'
+    rng = np.random.default_rng(7)
+    accepted = refused = 0
+    for _ in range(10000):
+        buf = bytearray(good)
+        for _k in range(int(rng.integers(1, 3))):
+            at = int(rng.integers(0, 8 + n))
+            buf[at] = (alphabet[int(rng.integers(0, len(alphabet)))] if at >= 8
+                       else int(rng.integers(0, 256)))
+        ours, ref = _ours(bytes(buf)), _reference(bytes(buf))
+        if ours is None and ref is not None:  # only the spec's stricter rules
+            head = bytes(buf[8:8 + n])
+            keys = [k for k, _v in json.loads(head, object_pairs_hook=lambda p: p)]
+            assert len(set(keys)) < len(keys) or not head.startswith(b"{"), bytes(buf)
+        else:
+            assert ours == ref, bytes(buf)
+        accepted += ours is not None
+        refused += ours is None
+    assert accepted > 150 and refused > 8000
 
 
 # --------------------------------------------------------------------------

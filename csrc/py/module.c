@@ -31,7 +31,7 @@ static int ss_exec(PyObject *m)
         ss_py_comm_init(m, st) < 0 || ss_py_pickle_init(m, st) < 0 ||
         ss_py_mdwrite_init(m, st) < 0 || ss_py_mdread_init(m, st) < 0 ||
         ss_py_plan_init(m, st) < 0 || ss_py_zipwrite_init(m, st) < 0 ||
-        ss_py_zipread_init(m, st) < 0)
+        ss_py_zipread_init(m, st) < 0 || ss_py_safetensors_init(m, st) < 0)
         return -1;
     return 0;
 }

@@ -123,5 +123,6 @@ int ss_py_mdread_init(PyObject *m, ss_state *st);
 int ss_py_plan_init(PyObject *m, ss_state *st);
 int ss_py_zipwrite_init(PyObject *m, ss_state *st);
 int ss_py_zipread_init(PyObject *m, ss_state *st);
+int ss_py_safetensors_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */

@@ -238,6 +238,9 @@ def parse_tensor_record(
     record: Buffer, /
 ) -> (tuple[str, tuple[int, ...], tuple[int, ...], int, int, bool, int, int, int | None, bool,
              bool, bool] | None): ...
+def parse_safetensors_header(
+    head: Buffer, data_len: int, data_start: int, /
+) -> tuple[dict[str, str] | None, list[tuple[str, str, tuple[int, ...], int, int]]] | str: ...
 def read_records(
     paths: Sequence[PathArg],
     table: Buffer,

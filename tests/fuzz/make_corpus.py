@@ -11,6 +11,11 @@ corpus/fuzz_pickle/  pickles for the C scan (tests/fuzz/fuzz_pickle.c) and the
     forged memo index, FRAME/BYTEARRAY8 lengths, nesting at the bound).
 corpus/fuzz_zipread/ the tensor records below (``*.rec``) and the same kinds
     written with every CRC 0, for the C record parser (tests/fuzz/fuzz_zipread.c).
+corpus/fuzz_stheader/ safetensors files written by the safetensors package
+    and by shardstate (every dtype, metadata, empty and scalar tensors, a
+    zero-sized one amid others) and header JSON alone (escapes, surrogate
+    pairs, padding), for the C header parser (tests/fuzz/fuzz_stheader.c;
+    ``make_corpus.py stheader`` rewrites only this one).
 corpus/records/      whole records as DCP stores them, for the Python
     parsers (tests/test_fuzz_parsers.py): torch.save tensor records
     (``*.rec``: contiguous, strided, conj/neg views, v3 dtypes, empty), bytes
@@ -45,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 PICKLES = HERE / "corpus" / "fuzz_pickle"
 RECORDS = HERE / "corpus" / "records"
 ZIPREAD = HERE / "corpus" / "fuzz_zipread"
+STHEADER = HERE / "corpus" / "fuzz_stheader"
 
 
 def _state_dict(seed: int) -> dict[str, Any]:
@@ -189,7 +195,53 @@ def _nocrc_records() -> dict[str, bytes]:
     return out
 
 
+def _stheader_seeds() -> dict[str, bytes]:
+    import json
+
+    from safetensors.torch import save
+    from shardstate.checkpoint import _safetensors as st
+
+    g = torch.Generator().manual_seed(3)
+    out: dict[str, bytes] = {}
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+              torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.complex64]
+    out["st_dtypes"] = save({str(d).split(".")[1]: torch.ones(2, 3, dtype=d) for d in dtypes})
+    out["st_meta"] = save({"w": torch.randn(3, 4, generator=g), "b": torch.zeros(0, 2),
+                           "s": torch.tensor(1.5)}, metadata={"format": "pt", "k\u00e9": "v\n"})
+    out["st_empty"] = save({})
+    out["st_one"] = save({"a.b.c": torch.arange(4, dtype=torch.int64)})
+    for name, tensors in (("ss_spaced", [("w", "F32", (2,)), ("v", "I64", (1, 1))]),
+                          ("ss_zero_mid", [("a", "F32", (1,)), ("z", "F16", (0, 3)),
+                                           ("b", "F32", (1,))])):
+        head, offs, _o = st.build_header(tensors, {"DCP_SHARDING_INFO": "{}"},
+                                         compact=name != "ss_spaced")
+        size = sum(st.DTYPE_SIZE[d] * int(torch.Size(s).numel()) for _n, d, s in tensors)
+        out[name] = head + bytes(size)
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    out["json_plain"] = json.dumps({"w": entry}).encode()
+    out["json_escapes"] = (b'{"\\u00e9\\ud83d\\ude00\\n\\"\\\\\\/": '
+                           b'{"dtype":"U8","shape":[],"data_offsets":[0,1]}}   ')
+    out["json_meta_null"] = (b'{"__metadata__":null,'
+                             b'"x":{"data_offsets":[0,0],"shape":[0],"dtype":"BF16"}}')
+    out["json_deep_meta"] = (b'{"__metadata__":{"a":"b","c":"d"},'
+                             b'"t":{"dtype":"C64","shape":[1,1,1],"data_offsets":[0,8]}}')
+    out["json_not_object"] = b'[1, -2.5e+3, true, false, null, "s", {"k": [[]]}]'
+    return out
+
+
+def write_stheader() -> None:
+    if STHEADER.exists():
+        shutil.rmtree(STHEADER)
+    for name, blob in sorted(_stheader_seeds().items()):
+        _put(STHEADER, name, blob)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["stheader"]:
+        write_stheader()
+        return
+    write_stheader()
     for d in (PICKLES, RECORDS, ZIPREAD):
         if d.exists():
             shutil.rmtree(d)

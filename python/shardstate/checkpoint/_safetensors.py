@@ -6,7 +6,8 @@ A safetensors file is an 8-byte little-endian header length ``n``, ``n``
 bytes of a JSON object (``__metadata__``: a str -> str map; every other
 key a tensor: ``dtype``, ``shape``, ``data_offsets`` [begin, end) relative
 to the data, which starts at ``8 + n``), then the data. The header is
-small and built and parsed here, in Python; the data bytes never pass
+built here, in Python, and parsed in C (``_core.parse_safetensors_header``,
+``csrc/core/ss_stheader.c``); the data bytes never pass
 through Python: ``write_files`` hands the tensors' own memory to
 ``shardstate.io.write_records`` (one call per rank, headers included) and
 ``read_regions`` hands destination addresses to
@@ -20,10 +21,11 @@ spaces so the data starts 8-byte aligned); ``__metadata__`` keeps the
 caller's order.
 
 Parsing trusts nothing: the header length is bounded (``MAX_HEADER``) and
-checked against the file, the JSON is parsed only from those bytes (nesting
-bounded by the parser's recursion limit, duplicate keys refused), and every
-tensor's dtype, shape, offsets and byte length are checked against each
-other and the file before use, and no two tensors' data may overlap. Each
+checked against the file, the JSON is parsed strictly and only from those
+bytes (nesting bounded, duplicate keys refused), every tensor's dtype,
+shape, offsets and byte length are checked against each other and the file
+before use, and the tensors must tile the data exactly (no overlap, no
+hole, nothing after the last: the ``safetensors`` package's rule). Each
 failure is a ``SafetensorsError`` naming the file and the tensor.
 
 Thread safety: functions only; no shared state.
@@ -38,10 +40,11 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _core
 from .. import io as ssio
 from .._util import import_torch
 from ._records import StorageFormatError
@@ -102,8 +105,7 @@ def torch_dtype(name: str) -> Any:
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     name: str
     dtype: str  # safetensors name
     shape: tuple[int, ...]
@@ -162,66 +164,24 @@ def build_header(tensors: Sequence[tuple[str, str, Sequence[int]]],
     return struct.pack("<Q", len(text)) + text, offsets, order
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(path: str, head: bytes, file_size: int) -> Header:
+def parse_header(path: str, head: bytes | bytearray | memoryview, file_size: int) -> Header:
     """Checks and parses the JSON ``head`` (the header bytes after the
-    length prefix) of a file of ``file_size`` bytes."""
+    length prefix) of a file of ``file_size`` bytes, in C
+    (``csrc/core/ss_stheader.c``: the rules are in its header)."""
     data_start = 8 + len(head)
-    try:
-        obj = json.loads(head.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise SafetensorsError(f"{path}: header JSON nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SafetensorsError(f"{path}: header is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise SafetensorsError(f"{path}: header is not a JSON object")
-    metadata = obj.pop(METADATA_KEY, None)
-    if metadata is not None and not (isinstance(metadata, dict) and all(
-            isinstance(v, str) for v in metadata.values())):
-        raise SafetensorsError(f"{path}: {METADATA_KEY} must map strings to strings")
-    data_len = file_size - data_start
-    tensors: dict[str, TensorEntry] = {}
-    for name, info in obj.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise SafetensorsError(f"{where}: entry must hold exactly dtype, shape and "
-                                   "data_offsets")
-        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZE:
-            raise SafetensorsError(f"{where}: unknown dtype {dtype!r}")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(_is_int(s) and 0 <= s < 1 << 62 for s in shape)):
-            raise SafetensorsError(f"{where}: bad shape {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
-                or not 0 <= offs[0] <= offs[1]):
-            raise SafetensorsError(f"{where}: bad data_offsets {offs!r}")
-        nbytes = math.prod(shape) * DTYPE_SIZE[dtype]
-        if offs[1] - offs[0] != nbytes:
-            raise SafetensorsError(
-                f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, its dtype "
-                f"{dtype} and shape {shape} need {nbytes}")
-        if offs[1] > data_len:
-            raise SafetensorsError(
-                f"{where}: data_offsets {offs} reach past the end of the data "
-                f"({data_len} bytes; the file is truncated or the header is wrong)")
-        tensors[name] = TensorEntry(name, dtype, tuple(shape), data_start + offs[0], nbytes)
-    spans = sorted((e.begin, e.begin + e.nbytes, e.name) for e in tensors.values() if e.nbytes)
-    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise SafetensorsError(f"{path}: tensors {n0!r} and {n1!r} overlap in the data")
-    return Header(path, data_start, file_size, metadata, tensors)
+    if data_start > file_size:
+        raise SafetensorsError(f"{path}: header length {len(head)} reaches past the end of "
+                               f"the file ({file_size} bytes)")
+    got = _core.parse_safetensors_header(head, file_size - data_start, data_start)
+    if isinstance(got, str):
+        raise SafetensorsError(f"{path}: {got}")
+    metadata, rows = got
+    return Header(path, data_start, file_size, metadata,
+                  {r[0]: TensorEntry._make(r) for r in rows})
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -241,7 +201,7 @@ def read_header(path: str | os.PathLike) -> Header:
     head = bytearray(n)
     if n:
         ssio.read([ssio.ReadJob(p, 8, head)], threads=1, checksum=False)
-    return parse_header(p, bytes(head), size)
+    return parse_header(p, head, size)
 
 
 # --------------------------------------------------------------------------

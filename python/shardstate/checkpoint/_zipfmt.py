@@ -548,7 +548,8 @@ def _zip64_values(extra: dict[int, memoryview], wanted: Sequence[bool], where: i
     return list(struct.unpack_from(f"<{need}Q", z, 0))
 
 
-def _parse_zip(buf: memoryview) -> tuple[str, list[RecordEntry]]:
+def _parse_zip(buf: memoryview,
+               max_entries: int = _MAX_ENTRIES) -> tuple[str, list[RecordEntry]]:
     end = len(buf)
     # The writer adds no archive comment, so the end record is the last 22
     # bytes, preceded by the zip64 locator and the zip64 end record.
@@ -569,8 +570,8 @@ def _parse_zip(buf: memoryview) -> tuple[str, list[RecordEntry]]:
     )
     if sig != _SIG_Z64_EOCD or rsize != 44 or d0 or d1 or n_disk64 != n_all64:
         raise _fail("bad zip64 end-of-central-directory record")
-    if n_all64 > _MAX_ENTRIES or n_all64 == 0:
-        raise _fail(f"{n_all64} entries (expected 1..{_MAX_ENTRIES})")
+    if n_all64 > max_entries or n_all64 == 0:
+        raise _fail(f"{n_all64} entries (expected 1..{max_entries})")
     expect32 = (min(n_all64, 0xFFFF), min(cd_size, _U32), min(cd_ofs, _U32))
     if (n_all, cd_size32, cd_ofs32) != expect32:
         raise _fail("end record disagrees with the zip64 end record")

@@ -3,10 +3,14 @@
 
 * :func:`dcp_to_torch_save` reads a checkpoint through shardstate's
   FileSystemReader (the C engine, every record's checksum verified) with
-  ``_EmptyStateDictLoadPlanner`` and writes the state dict with
-  ``torch.save``, atomically: the file appears whole or not at all.
-* :func:`torch_save_to_dcp` reads a torch.save file and saves it with
-  shardstate's save (torch's files, byte for byte).
+  ``_EmptyStateDictLoadPlanner`` and writes torch.save's file (its pickle
+  made by torch's own pickler, the storages written by the engine straight
+  from memory: ``_torchsave``), atomically: the file appears whole or not
+  at all.
+* :func:`torch_save_to_dcp` reads a torch.save file (the pickle through
+  torch's restricted weights-only unpickler, the storages read by the
+  engine into place with their CRC-32s checked: ``_torchsave``) and saves
+  it with shardstate's save (torch's files, byte for byte).
 * :class:`BroadcastingTorchSaveReader` with :class:`DynamicMetaLoadPlanner`
   loads a torch.save file into a distributed state dict: the coordinator
   reads the file and each tensor is broadcast to every rank, which keeps
@@ -43,7 +47,7 @@ from typing import Any
 
 from .. import comm
 from .._util import import_torch
-from . import _tensors
+from . import _tensors, _torchsave
 from ._dist import _Coordinator, dist_ready
 from ._nested_dict import flatten_state_dict
 from ._pickle import UnsafePickleError
@@ -67,12 +71,13 @@ __all__ = [
 ]
 
 
-def _load_torch_save(path: str | os.PathLike, map_location: Any = None) -> Any:
-    """``torch.load(path, weights_only=True)``; a file it refuses raises
-    UnsafePickleError naming the file and what was refused."""
-    torch = import_torch()
+def _load_torch_save(path: str | os.PathLike) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``, the
+    storages read by the engine (``_torchsave.load``); a file its restricted
+    unpickler refuses raises UnsafePickleError naming the file and what was
+    refused."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return _torchsave.load(path)
     except pickle.UnpicklingError as e:
         text = str(e)
         # torch's message is long; its "WeightsUnpickler error:" line says what.
@@ -87,20 +92,19 @@ def _load_torch_save(path: str | os.PathLike, map_location: Any = None) -> Any:
 
 
 def _save_atomically(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)``, published with the durable-write recipe:
-    a temporary file in the same directory, fsynced, renamed over ``path``,
+    """``torch.save(obj, path)``'s file, its storages written by the engine
+    (``_torchsave.save``), published with the durable-write recipe: a
+    temporary file in the same directory, fsynced, renamed over ``path``,
     then the directory fsynced. On failure nothing is left behind."""
-    torch = import_torch()
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     # Created as torch.save would create it (0666 less the umask), not mkstemp's 0600.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        # the zip folder named as torch.save names it: after the final file
+        _torchsave.save(obj, tmp, archive=_torchsave._archive_name(path))
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -261,7 +265,7 @@ class BroadcastingTorchSaveReader(StorageReader):
                 needs[fqn] = _tensors.global_size(planner.state_dict[fqn])
         if self.is_coordinator:
             assert self.checkpoint_id is not None
-            sd = _load_torch_save(self.checkpoint_id, map_location="cpu")
+            sd = _load_torch_save(self.checkpoint_id)
             if planner.flatten_state_dict:
                 sd, _ = flatten_state_dict(sd)
             loaded.update(sd)
