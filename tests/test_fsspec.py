@@ -127,6 +127,35 @@ def test_url_ids_pick_fsspec_storage_and_files_are_torchs() -> None:
     _check(got, sd)
 
 
+def test_memsink_buffers_are_fixed_size_files() -> None:
+    """The engine's files over caller buffers (csrc/core/ss_recmem.h):
+    records framed in place; a write past a buffer's end, or a path that
+    names no buffer, fails instead of growing anything."""
+    import numpy as np
+    from shardstate import _core
+
+    plan = _core.RecordPlan("torch.float32", (100,), (1,), 100)
+    data = np.arange(100, dtype=np.float32).view(np.uint8)
+    target = bytearray(plan.total_length + 3)
+    sink = _core.MemSink([target])
+
+    def write(path: str, offset: int) -> list[int]:
+        return _core.write_records([path], np.array([[0, offset, 0, 0, 0]], np.int64), [data],
+                                   [plan], None, False, True, False, None, None, sink, 0, 0)
+
+    assert write("mem:0", 3) == [_core.crc32(data)]
+    assert bytes(target[3:]) == plan.header + data.tobytes() + plan.trailer(_core.crc32(data))
+    for path, offset in (("mem:0", 4), ("mem:1", 0), ("mem:00", 0), ("/tmp/x", 0)):
+        with pytest.raises(OSError):
+            write(path, offset)
+    with pytest.raises(BufferError):
+        target.append(0)  # held while the sink is open
+    sink.close()
+    target.append(0)
+    with pytest.raises(BufferError):
+        _core.MemSink([b"read-only"])
+
+
 def test_memory_async_save_and_thread_count() -> None:
     url = _url()
     sd = _state()
@@ -152,13 +181,14 @@ def _windowed_state() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("window", [97, 4096])
-def test_memory_save_in_windows_is_torchs_bytes(monkeypatch, window: int) -> None:
+def test_save_in_windows_is_torchs_bytes(monkeypatch, tmp_path: Path, window: int) -> None:
     """A save framed in windows far smaller than its records (headers, data
-    and trailers cut anywhere) makes torch's files, holding at most
-    (concurrency + 1) windows at once."""
+    and trailers cut anywhere), written window by window to each object's
+    file (file://: fsspec's local filesystem), makes torch's files, holding
+    at most (concurrency + 1) windows at once."""
     monkeypatch.setattr(_fs_remote, "UPLOAD_PART", window)
     monkeypatch.setattr(_fs_remote, "UPLOAD_CONCURRENCY", 2)
-    url, turl = _url(), _url()
+    url, turl = f"file://{tmp_path}/ours", f"file://{tmp_path}/torchs"
     sd = _windowed_state()
     _fs_remote.held.reset_peak()
     dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=2))
@@ -171,10 +201,9 @@ def test_memory_save_in_windows_is_torchs_bytes(monkeypatch, window: int) -> Non
         tdcp.load(got, storage_reader=TorchReader(url))
     finally:
         w.__exit__(None, None, None)
-    fs = fsspec.filesystem("memory")
     for name in ("__0_0.distcp", "__0_1.distcp"):
-        data = fs.cat_file(f"{url}/{name}")
-        assert len(data) > 3 * window and data == fs.cat_file(f"{turl}/{name}")
+        data = (tmp_path / "ours" / name).read_bytes()
+        assert len(data) > 3 * window and data == (tmp_path / "torchs" / name).read_bytes()
     _check({k: v for k, v in got.items() if k != "blob"},
            {k: v for k, v in sd.items() if k != "blob"})
     got = _blank(sd)
@@ -217,11 +246,11 @@ class _FailingWrite:
         self.real(f, body)
 
 
-def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch) -> None:
-    url = _url()
+def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/ckpt"
     sd = _state()
-    dcp.save(sd, checkpoint_id=url)
-    fs = fsspec.filesystem("memory")
+    dcp.save(sd, storage_writer=FsspecWriter(url))
+    fs = fsspec.filesystem("file")
     assert fs.exists(f"{url}/.metadata")
     fail = _FailingWrite(2)
     monkeypatch.setattr(_fs_remote, "_stream_write", fail)
@@ -233,7 +262,7 @@ def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch) -> None
     assert not [n for n in fs.ls(url, detail=False) if n.endswith(".distcp")]  # no half objects
     assert _fs_remote.held.now == 0  # every window released
     with pytest.raises(_FAILED, match="metadata"):
-        dcp.load(_blank(sd), checkpoint_id=url)
+        dcp.load(_blank(sd), storage_reader=FsspecReader(url))
 
 
 def test_overwrite_false_refuses(monkeypatch) -> None:

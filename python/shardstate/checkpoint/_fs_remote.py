@@ -45,7 +45,7 @@ import fsspec.asyn
 import numpy as np
 
 from .. import io as ssio
-from .._core import crc32_combine
+from .._core import MemSink, crc32_combine
 from ._records import StorageFormatError, _File, _Req
 
 # A fetched range is split into FETCH_PARALLEL pieces of at least
@@ -238,36 +238,53 @@ held = _Held()
 
 
 class _Window:
-    """Bytes [start, start + size) of a data file, framed by the engine into
-    an in-memory file, then handed to the store as a ``Body``."""
+    """Bytes [start, start + size) of a data file, framed by the engine
+    into a buffer of the save's pool (``_Pool``), then handed to the store
+    as a ``Body``."""
 
-    def __init__(self, start: int, size: int) -> None:
-        self.start, self.size = start, size
-        self.fd = _memfd(f"window@{start}")
-        self.path = _fd_path(self.fd)
-        self._mm: mmap.mmap | None = None
-        held.add(size)
+    def __init__(self, pool: _Pool, start: int, size: int) -> None:
+        self.pool, self.start, self.size = pool, start, size
+        self.buf = pool.get()
+        self.view = memoryview(self.buf)[:size]
 
     def body(self) -> Body:
-        os.ftruncate(self.fd, self.size)
-        if not self.size:
-            return Body(b"")
-        self._mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE,
-                             prot=mmap.PROT_READ)
-        return Body(self._mm)
+        return Body(self.view)
 
     def close(self) -> None:
-        if self.fd < 0:
-            return
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a body still referenced: unmapped when collected
-                pass
-            self._mm = None
-        os.close(self.fd)
-        self.fd = -1
-        held.add(-self.size)
+        if self.buf is not None:
+            self.view.release()
+            self.pool.put(self.buf)
+            self.buf = None
+
+
+class _Pool:
+    """A save's window buffers, reused from window to window (a fresh
+    buffer costs its pages' faults: about as much as framing into it);
+    at most as many as windows in flight."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+        self._made = 0
+
+    def get(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        held.add(self.size)
+        return bytearray(self.size)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            held.add(-self.size * self._made)
+            self._made = 0
+            self._free.clear()
 
 
 def _nbytes(buf: Any) -> int:
@@ -332,8 +349,13 @@ def _fill(win: _Window, lay: _Layout, buffers: list[Any], plans: list[Any],
             pieces.append((i, len(table), e - s))
             table.append((0, s - a, len(bufs), -1, dev))
             bufs.append(buf[s - ds:e - ds])
-    crcs = ssio.write_records([win.path], np.array(table, np.int64).reshape(-1, 5), bufs,
-                              plans, checksum=True, stage=stage, stream=stream)
+    sink = MemSink([win.view])
+    try:
+        crcs = ssio.write_records(["mem:0"], np.array(table, np.int64).reshape(-1, 5), bufs,
+                                  plans, checksum=True, stage=stage, stream=stream,
+                                  _faults=sink)
+    finally:
+        sink.close()
     done = {int(lay.index[i]): crcs[k] for k, i in enumerate(inside)}
     for i, k, n in pieces:
         crc, got = acc.get(i, (0, 0))
@@ -346,7 +368,7 @@ def _fill(win: _Window, lay: _Layout, buffers: list[Any], plans: list[Any],
         if got != plan.data_length:
             raise AssertionError(f"window [{a}, {b}): record at {ts} has {got} data bytes "
                                  f"of {plan.data_length} framed")
-        os.pwrite(win.fd, plan.trailer(crc)[s - ts:e - ts], s - a)
+        win.view[s - a:e - a] = plan.trailer(crc)[s - ts:e - ts]
         done[int(lay.index[i])] = crc
     return done
 
@@ -477,7 +499,10 @@ def write_objects(fs: Any, urls: list[str], table: np.ndarray, buffers: list[Any
     lengths = np.array([plans[p].total_length if p >= 0 else _nbytes(buffers[b])
                         for b, p in zip(table[:, 2].tolist(), table[:, 3].tolist())], np.int64)
     crcs = [0] * len(table)
+    if _is_memory(fs):
+        return _write_memory(fs, urls, table, lengths, buffers, plans, stage, stream)
     slots = threading.BoundedSemaphore(concurrency)
+    pool = _Pool(window)
     sinks: list[Any] = []
     failed: list[BaseException] = []
 
@@ -499,7 +524,7 @@ def write_objects(fs: Any, urls: list[str], table: np.ndarray, buffers: list[Any
                 if failed:
                     slots.release()
                     raise failed[0]
-                win = _Window(a, min(window, lay.size - a))
+                win = _Window(pool, a, min(window, lay.size - a))
                 try:
                     for i, crc in _fill(win, lay, buffers, plans, acc, stage, stream).items():
                         crcs[int(mine[i])] = crc
@@ -515,6 +540,47 @@ def write_objects(fs: Any, urls: list[str], table: np.ndarray, buffers: list[Any
         for sink in sinks:
             sink.abort()
         raise
+    finally:
+        pool.close()
+    return crcs
+
+
+def _is_memory(fs: Any) -> bool:
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    return isinstance(fs, MemoryFileSystem)
+
+
+def _write_memory(fs: Any, urls: list[str], table: np.ndarray, lengths: np.ndarray,
+                  buffers: list[Any], plans: list[Any], stage: Any,
+                  stream: Any) -> list[int]:
+    """memory://: each object's ``MemoryFile`` sized first, the engine
+    framing every record straight into the objects' buffers (one call, no
+    window, no second copy), the objects put in the store once complete."""
+    from fsspec.implementations.memory import MemoryFile
+
+    files = []
+    for f, url in enumerate(urls):
+        mine = table[:, 0] == f
+        size = int((table[mine, 1] + lengths[mine]).max()) if mine.any() else 0
+        mf = MemoryFile(fs, fs._strip_protocol(url))
+        if size:
+            mf.seek(size - 1)
+            mf.write(b"\0")
+            mf.seek(0)
+        files.append(mf)
+    views = [mf.getbuffer() for mf in files]
+    sink = MemSink(views)
+    try:
+        crcs = ssio.write_records([f"mem:{k}" for k in range(len(urls))], table, buffers,
+                                  plans, checksum=True, stage=stage, stream=stream,
+                                  _faults=sink)
+    finally:
+        sink.close()
+        for v in views:
+            v.release()
+    for mf in files:
+        mf.commit()
     return crcs
 
 
