@@ -65,10 +65,16 @@ FETCH_BATCH = 1 << 30
 # UPLOAD_CONCURRENCY windows are in flight, so a save holds at most
 # (UPLOAD_CONCURRENCY + 1) x UPLOAD_PART bytes of framed data, whatever the
 # size of its files (write_objects).
+# Tuned on moto (benchmarks/bench_fsspec.py --ceiling, docs/notes/fsspec.md):
+# 16 MiB parts were fastest for its ingest and for our saves (64 MiB x 8:
+# 1.4x slower); 4 and 8 in flight were within noise there, and 8 serves a
+# real store's per-connection limits better. Bound: 8 x 16 MiB = 128 MiB.
 UPLOAD_CONCURRENCY = 8
-UPLOAD_PART = 64 << 20
-# S3's smallest part (all but the last).
+UPLOAD_PART = 16 << 20
+# S3's smallest part (all but the last) and most parts of one upload: an
+# object of more than S3_MAX_PARTS x UPLOAD_PART bytes gets bigger parts.
 S3_MIN_PART = 5 << 20
+S3_MAX_PARTS = 10_000
 # Objects written at once on a filesystem without an async API.
 UPLOAD_THREADS = 8
 
@@ -493,14 +499,15 @@ def write_objects(fs: Any, urls: list[str], table: np.ndarray, buffers: list[Any
     filesystems: the object removed) and the error raised."""
     window = window or UPLOAD_PART
     concurrency = concurrency or UPLOAD_CONCURRENCY
-    s3 = _is_s3(fs)
-    if s3:
-        window = max(window, S3_MIN_PART)
     lengths = np.array([plans[p].total_length if p >= 0 else _nbytes(buffers[b])
                         for b, p in zip(table[:, 2].tolist(), table[:, 3].tolist())], np.int64)
-    crcs = [0] * len(table)
     if _is_memory(fs):
         return _write_memory(fs, urls, table, lengths, buffers, plans, stage, stream)
+    crcs = [0] * len(table)
+    s3 = _is_s3(fs)
+    if s3:
+        biggest = int((table[:, 1] + lengths).max()) if len(table) else 0
+        window = max(window, S3_MIN_PART, -(-biggest // S3_MAX_PARTS))
     slots = threading.BoundedSemaphore(concurrency)
     pool = _Pool(window)
     sinks: list[Any] = []
@@ -709,6 +716,9 @@ class Mirror:
             by_file.setdefault(r.file.rel, []).append(
                 (r.info.offset, r.info.offset + r.info.length))
         pieces = [(rel, s, e) for rel, spans in by_file.items() for s, e in _ranges(spans)]
+        if _is_memory(self.fs):
+            self._copy_from_store(pieces)
+            return
         if not getattr(self.fs, "async_impl", False):
             self._read_into(pieces)
             return
@@ -733,6 +743,27 @@ class Mirror:
                 os.pwrite(self._fds[rel], data, s)
             del got, batch
             i = j
+
+    def _copy_from_store(self, pieces: list[tuple[str, int, int]]) -> None:
+        """memory://: each piece written into the mirror straight from the
+        stored object's buffer (``pwrite``: the kernel makes the mirror's
+        pages as it copies, without a fault per page, and no ``MemoryFile``
+        copy of the object is made)."""
+        for rel, s, e in pieces:
+            url = self.url(rel)
+            try:
+                obj = self.fs.store[self.fs._strip_protocol(url)]
+            except KeyError:
+                raise FileNotFoundError(errno.ENOENT, f"checkpoint data file {url} is missing",
+                                        url) from None
+            with obj.getbuffer() as buf:
+                if buf.nbytes < e:
+                    raise StorageFormatError(
+                        f"checkpoint data file {url}: asked for bytes [{s}, {e}), the object "
+                        f"has {buf.nbytes} (it changed while being read?)")
+                at = s
+                while at < e:
+                    at += os.pwrite(self._fds[rel], buf[at:min(e, at + (1 << 30))], at)
 
     def _read_into(self, pieces: list[tuple[str, int, int]]) -> None:
         """A filesystem without an async API (memory://, file://): each
