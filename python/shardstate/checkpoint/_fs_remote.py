@@ -472,8 +472,8 @@ class _S3:
         self.fs.invalidate_cache(self.url)
 
     def abort(self) -> None:
-        for fut in self.futures:
-            fut.cancel()
+        # the parts in flight end first (done or failed: not cancelled, so
+        # no part lands after the abort and no window is reused under one)
         concurrent.futures.wait(self.futures)
         if self.upload_id is not None:
             try:
