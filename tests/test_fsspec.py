@@ -127,6 +127,35 @@ def test_url_ids_pick_fsspec_storage_and_files_are_torchs() -> None:
     _check(got, sd)
 
 
+def test_memsink_buffers_are_fixed_size_files() -> None:
+    """The engine's files over caller buffers (csrc/core/ss_recmem.h):
+    records framed in place; a write past a buffer's end, or a path that
+    names no buffer, fails instead of growing anything."""
+    import numpy as np
+    from shardstate import _core
+
+    plan = _core.RecordPlan("torch.float32", (100,), (1,), 100)
+    data = np.arange(100, dtype=np.float32).view(np.uint8)
+    target = bytearray(plan.total_length + 3)
+    sink = _core.MemSink([target])
+
+    def write(path: str, offset: int) -> list[int]:
+        return _core.write_records([path], np.array([[0, offset, 0, 0, 0]], np.int64), [data],
+                                   [plan], None, False, True, False, None, None, sink, 0, 0)
+
+    assert write("mem:0", 3) == [_core.crc32(data)]
+    assert bytes(target[3:]) == plan.header + data.tobytes() + plan.trailer(_core.crc32(data))
+    for path, offset in (("mem:0", 4), ("mem:1", 0), ("mem:00", 0), ("/tmp/x", 0)):
+        with pytest.raises(OSError):
+            write(path, offset)
+    with pytest.raises(BufferError):
+        target.append(0)  # held while the sink is open
+    sink.close()
+    target.append(0)
+    with pytest.raises(BufferError):
+        _core.MemSink([b"read-only"])
+
+
 def test_memory_async_save_and_thread_count() -> None:
     url = _url()
     sd = _state()
@@ -138,6 +167,49 @@ def test_memory_async_save_and_thread_count() -> None:
     got = _blank(sd)
     dcp.load(got, storage_reader=FsspecReader(url))
     _check(got, sd)
+
+
+def _windowed_state() -> dict[str, Any]:
+    """Many small records (packed by the engine), records bigger than a
+    window, an empty one, a view and bytes items."""
+    g = torch.Generator().manual_seed(5)
+    sd: dict[str, Any] = {f"s{i}": torch.randn(i % 7 + 1, generator=g) for i in range(40)}
+    sd.update(big=torch.randn(3000, generator=g), big2=torch.randn(50, 41, generator=g),
+              empty=torch.zeros(0), view=torch.arange(900.0)[100:700],
+              blob=b"x" * 1500, meta={"step": 3})
+    return sd
+
+
+@pytest.mark.parametrize("window", [97, 4096])
+def test_save_in_windows_is_torchs_bytes(monkeypatch, tmp_path: Path, window: int) -> None:
+    """A save framed in windows far smaller than its records (headers, data
+    and trailers cut anywhere), written window by window to each object's
+    file (file://: fsspec's local filesystem), makes torch's files, holding
+    at most (concurrency + 1) windows at once."""
+    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", window)
+    monkeypatch.setattr(_fs_remote, "UPLOAD_CONCURRENCY", 2)
+    url, turl = f"file://{tmp_path}/ours", f"file://{tmp_path}/torchs"
+    sd = _windowed_state()
+    _fs_remote.held.reset_peak()
+    dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=2))
+    assert 0 < _fs_remote.held.peak <= 3 * window
+    assert _fs_remote.held.now == 0
+    w = _torch_quiet()
+    try:
+        tdcp.save(sd, storage_writer=TorchWriter(turl, thread_count=2))
+        got = _blank(sd)
+        tdcp.load(got, storage_reader=TorchReader(url))
+    finally:
+        w.__exit__(None, None, None)
+    for name in ("__0_0.distcp", "__0_1.distcp"):
+        data = (tmp_path / "ours" / name).read_bytes()
+        assert len(data) > 3 * window and data == (tmp_path / "torchs" / name).read_bytes()
+    _check({k: v for k, v in got.items() if k != "blob"},
+           {k: v for k, v in sd.items() if k != "blob"})
+    got = _blank(sd)
+    dcp.load(got, storage_reader=FsspecReader(url))
+    _check({k: v for k, v in got.items() if k != "blob"},
+           {k: v for k, v in sd.items() if k != "blob"})
 
 
 def test_memory_stream_transforms() -> None:
@@ -159,32 +231,38 @@ def test_memory_stream_transforms() -> None:
     _check(got, sd)
 
 
-class _Upload:
-    """Fails the upload after ``ok`` objects."""
+class _FailingWrite:
+    """Fails the ``fail_at``-th window written to an object's file."""
 
-    def __init__(self, ok: int) -> None:
-        self.ok = ok
-        self.real = _fs_remote.upload
+    def __init__(self, fail_at: int) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+        self.real = _fs_remote._stream_write
 
-    def __call__(self, fs: Any, bodies: dict) -> None:
-        items = list(bodies.items())
-        self.real(fs, dict(items[: self.ok]))
-        raise OSError("injected: connection lost during upload")
+    def __call__(self, f: Any, body: Any) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError("injected: connection lost during upload")
+        self.real(f, body)
 
 
-def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch) -> None:
-    url = _url()
+def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/ckpt"
     sd = _state()
-    dcp.save(sd, checkpoint_id=url)
-    fs = fsspec.filesystem("memory")
+    dcp.save(sd, storage_writer=FsspecWriter(url))
+    fs = fsspec.filesystem("file")
     assert fs.exists(f"{url}/.metadata")
-    monkeypatch.setattr(_fs_remote, "upload", _Upload(1))
+    fail = _FailingWrite(2)
+    monkeypatch.setattr(_fs_remote, "_stream_write", fail)
     with pytest.raises(_FAILED, match="injected"):
         with pytest.warns(UserWarning, match="overwriting"):
             dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=2))
+    assert fail.calls == 2
     assert not fs.exists(f"{url}/.metadata")  # the old one went first, no new one came
+    assert not [n for n in fs.ls(url, detail=False) if n.endswith(".distcp")]  # no half objects
+    assert _fs_remote.held.now == 0  # every window released
     with pytest.raises(_FAILED, match="metadata"):
-        dcp.load(_blank(sd), checkpoint_id=url)
+        dcp.load(_blank(sd), storage_reader=FsspecReader(url))
 
 
 def test_overwrite_false_refuses(monkeypatch) -> None:
@@ -265,6 +343,77 @@ def test_s3_both_ways_with_torch(s3: S3Server) -> None:
     assert fs.cat_file(a) == fs.cat_file(b)
 
 
+def test_s3_multipart_save_in_windows(s3: S3Server, monkeypatch) -> None:
+    """On S3 each window is a part of a multipart upload (S3's 5 MiB
+    smallest part, several in flight); a record bigger than a part spans
+    several; the object is torch's bytes and both readers read it."""
+    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", 1)  # raised to S3's smallest part
+    monkeypatch.setattr(_fs_remote, "UPLOAD_CONCURRENCY", 2)
+    parts: list[int] = []
+    real_part = _fs_remote._S3._part
+
+    async def part(self: Any, k: int, body: Any) -> None:
+        parts.append(len(body))
+        await real_part(self, k, body)
+
+    monkeypatch.setattr(_fs_remote._S3, "_part", part)
+    opts = s3.storage_options
+    ours, theirs = _url(s3), _url(s3)
+    sd = _windowed_state()
+    sd["huge"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))  # 12 MiB
+    _fs_remote.held.reset_peak()
+    dcp.save(sd, storage_writer=FsspecWriter(ours, **opts))
+    part_size = _fs_remote.S3_MIN_PART
+    assert len(parts) == 3 and parts[:2] == [part_size] * 2 and 0 < parts[2] < part_size
+    assert _fs_remote.held.peak <= 3 * part_size and _fs_remote.held.now == 0
+    w = _torch_quiet()
+    try:
+        tdcp.save(sd, storage_writer=TorchWriter(theirs, **opts))
+        got = _blank(sd)
+        tdcp.load(got, storage_reader=TorchReader(ours, **opts))
+    finally:
+        w.__exit__(None, None, None)
+    plain = {k: v for k, v in sd.items() if k != "blob"}
+    _check({k: v for k, v in got.items() if k != "blob"}, plain)
+    got = _blank(sd)
+    dcp.load(got, storage_reader=FsspecReader(ours, **opts))
+    _check({k: v for k, v in got.items() if k != "blob"}, plain)
+    fs = s3.fs()
+    a, b = f"{ours}/__0_0.distcp"[5:], f"{theirs}/__0_0.distcp"[5:]
+    assert fs.cat_file(a) == fs.cat_file(b)
+    # at most S3_MAX_PARTS parts: bigger ones when the object needs them
+    monkeypatch.setattr(_fs_remote, "S3_MAX_PARTS", 2)
+    parts.clear()
+    again = _url(s3)
+    dcp.save(sd, storage_writer=FsspecWriter(again, **opts))
+    assert len(parts) == 2 and parts[0] >= parts[1]
+    assert fs.cat_file(f"{again}/__0_0.distcp"[5:]) == fs.cat_file(b)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
+
+
+def test_s3_failed_part_aborts_the_upload(s3: S3Server, monkeypatch) -> None:
+    """A part that fails aborts its multipart upload: no object, no
+    upload left open, no .metadata."""
+    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", 1)
+    real_part = _fs_remote._S3._part
+
+    async def part(self: Any, k: int, body: Any) -> None:
+        if k == 1:
+            raise OSError("injected: part 2 lost")
+        await real_part(self, k, body)
+
+    monkeypatch.setattr(_fs_remote._S3, "_part", part)
+    opts = s3.storage_options
+    url = _url(s3)
+    with pytest.raises(_FAILED, match="injected"):
+        dcp.save({"huge": torch.zeros(3 << 20)}, storage_writer=FsspecWriter(url, **opts))
+    fs = s3.fs()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{url[5:]}/__0_0.distcp") and not fs.exists(f"{url[5:]}/.metadata")
+    assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
+    assert _fs_remote.held.now == 0
+
+
 def test_s3_bit_flip_detected(s3: S3Server) -> None:
     opts = s3.storage_options
     url = _url(s3)
@@ -329,14 +478,14 @@ def test_s3_server_stopped_during_upload(monkeypatch) -> None:
                     config_kwargs={"retries": {"max_attempts": 1},
                                    "connect_timeout": 2})
         url = _url(server)
-        real = _fs_remote.upload
+        real = _fs_remote.write_objects
         published: list[str] = []
 
-        def stop_then_upload(fs: Any, bodies: dict) -> None:
+        def stop_then_upload(*args: Any, **kwargs: Any) -> list[int]:
             server.stop()
-            real(fs, bodies)
+            return real(*args, **kwargs)
 
-        monkeypatch.setattr(_fs_remote, "upload", stop_then_upload)
+        monkeypatch.setattr(_fs_remote, "write_objects", stop_then_upload)
         monkeypatch.setattr(_fs_remote, "publish", lambda fs, u, d: published.append(u))
         with pytest.raises(_FAILED, match="(?i)connect"):
             dcp.save(_state(), storage_writer=FsspecWriter(url, thread_count=2, **opts))

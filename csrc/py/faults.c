@@ -198,9 +198,12 @@ int ss_py_faults_arg(ss_state *st, PyObject *obj, const ss_os **out)
         *out = NULL;
         return 0;
     }
+    if (ss_py_memsink_os(st, obj, out))
+        return 0;
     if (!PyObject_TypeCheck(obj, st->FaultInjector_type)) {
         PyErr_Format(PyExc_TypeError,
-                     "faults must be a FaultInjector or None, got %.200s",
+                     "faults must be a FaultInjector, a MemSink or None, got "
+                     "%.200s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }

@@ -31,7 +31,8 @@ static int ss_exec(PyObject *m)
         ss_py_comm_init(m, st) < 0 || ss_py_pickle_init(m, st) < 0 ||
         ss_py_mdwrite_init(m, st) < 0 || ss_py_mdread_init(m, st) < 0 ||
         ss_py_plan_init(m, st) < 0 || ss_py_zipwrite_init(m, st) < 0 ||
-        ss_py_zipread_init(m, st) < 0 || ss_py_safetensors_init(m, st) < 0)
+        ss_py_zipread_init(m, st) < 0 || ss_py_safetensors_init(m, st) < 0 ||
+        ss_py_recmem_init(m, st) < 0)
         return -1;
     return 0;
 }
@@ -50,6 +51,7 @@ static int ss_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->Stage_type);
     Py_VISIT(st->NcclComm_type);
     Py_VISIT(st->RecordPlan_type);
+    Py_VISIT(st->MemSink_type);
     return 0;
 }
 
@@ -67,6 +69,7 @@ static int ss_clear(PyObject *m)
     Py_CLEAR(st->Stage_type);
     Py_CLEAR(st->NcclComm_type);
     Py_CLEAR(st->RecordPlan_type);
+    Py_CLEAR(st->MemSink_type);
     return 0;
 }
 

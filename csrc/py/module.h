@@ -26,6 +26,7 @@ typedef struct {
     PyTypeObject *Stage_type;
     PyTypeObject *NcclComm_type;
     PyTypeObject *RecordPlan_type;
+    PyTypeObject *MemSink_type;
 } ss_state;
 
 extern PyModuleDef ss_module_def;
@@ -78,10 +79,12 @@ struct ss_zip_plan;
 int ss_py_zip_plan_arg(ss_state *st, PyObject *obj,
                        const struct ss_zip_plan **out);
 
-/* obj is None or a FaultInjector: its vtable in *out (NULL for None).
- * 0, or -1 with TypeError set. */
+/* obj is None, a FaultInjector or a MemSink: its vtable in *out (NULL for
+ * None). 0, or -1 with TypeError set. */
 struct ss_os;
 int ss_py_faults_arg(ss_state *st, PyObject *obj, const struct ss_os **out);
+/* obj is a MemSink (recmem.c): its vtable in *out, returns 1; else 0. */
+int ss_py_memsink_os(ss_state *st, PyObject *obj, const struct ss_os **out);
 
 /* Library candidates: obj is None (the core's default names) or a
  * non-empty sequence of str / bytes / os.PathLike paths; func and argname
@@ -124,5 +127,6 @@ int ss_py_plan_init(PyObject *m, ss_state *st);
 int ss_py_zipwrite_init(PyObject *m, ss_state *st);
 int ss_py_zipread_init(PyObject *m, ss_state *st);
 int ss_py_safetensors_init(PyObject *m, ss_state *st);
+int ss_py_recmem_init(PyObject *m, ss_state *st);
 
 #endif /* SS_PY_MODULE_H */

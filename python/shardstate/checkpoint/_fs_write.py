@@ -260,10 +260,14 @@ _EMPTY = np.empty(0, np.uint8)
 def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
                 reorder: bool, sync_files: bool,
                 transforms: WriterTransforms | None = None,
-                locate: dict[str, str] | None = None) -> list[WriteResult]:
+                locate: dict[str, str] | None = None,
+                engine: Callable[..., list[int]] | None = None) -> list[WriteResult]:
     """Writes a rank's files, each (name in ``root``, its items in order;
     ``locate``, if given, maps each name to the local path written instead:
-    the fsspec writer's in-memory files),
+    the fsspec writer's in-memory files, with ``transforms``; ``engine``, if
+    given, is called in place of ``write_records`` with the table, buffers,
+    plans, stage and stream, the table's file column indexing ``files``, and
+    returns the rows' CRCs: the fsspec writer's windowed uploads),
     the whole rank in one engine call; with ``reorder``, each file's tensors
     smallest first (torch's overlapping loader). With ``transforms`` (the
     writer's extensions) every item goes through them instead
@@ -286,7 +290,8 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     stage, stage_device = None, None  # for the CUDA tensors of one device
     for name, items in files:
         f = len(paths)
-        paths.append(locate[name] if locate is not None else os.fspath(root / name))
+        paths.append(locate[name] if locate is not None and engine is None
+                     else os.fspath(root / name))
         byte_items, tensor_items = _file_order(items, reorder)
         cursor = 0
         for item in byte_items:
@@ -327,10 +332,14 @@ def write_files(root: Path, files: list[tuple[str, list[Any]]], planner: Any,
     # With sync_files, each piece's writeback starts as soon as it is
     # written: the disk works while the rest is copied, and the final
     # fsync waits only for the tail.
-    crcs = ssio.write_records(
-        paths, np.frombuffer(rows, np.int64).reshape(-1, 5), buffers, plans,
-        fsync=sync_files, writeback=sync_files, stage=stage, stream=stream,
-        _pack_run=_PACK_SEGMENT) if paths else []
+    table = np.frombuffer(rows, np.int64).reshape(-1, 5)
+    if engine is not None:
+        crcs = engine(table, buffers, plans, stage, stream)
+    else:
+        crcs = ssio.write_records(
+            paths, table, buffers, plans,
+            fsync=sync_files, writeback=sync_files, stage=stage, stream=stream,
+            _pack_run=_PACK_SEGMENT) if paths else []
     del buffers
     for info, k in crc_rows:
         setattr(info, DATA_CRC_ATTR, crcs[k])

@@ -9,14 +9,17 @@ unchanged, with in-memory files in place of the directory
 (``_fs_remote.MemFiles``: ``memfd`` files reached through
 ``/proc/self/fd``):
 
-* save: ``_fs_write.write_files`` frames a rank's records and computes
-  their CRC-32s in C into one in-memory file per data file; each is then
-  handed to fsspec as one buffer (no copy: ``_fs_remote.Body``, a read-only
-  view of the file's mapping), all of a rank's files at once (an async
-  filesystem's ``pipe``, which uploads big ones in parts in parallel; a
-  thread pool otherwise). ``.metadata`` is put last, after every data
-  object is complete, and an earlier save's metadata objects are removed
-  first (``prepare_local_plan``), as on a local directory;
+* save: ``_fs_write.write_files`` lays a rank's records out and
+  ``_fs_remote.write_objects`` has the engine frame them (CRC-32s in C)
+  window by window into memory, each window uploaded as it is filled (no
+  copy: ``_fs_remote.Body``, a read-only view of the window's mapping): a
+  part of an S3 multipart upload, several in flight, or the next write to
+  the object's file elsewhere; the memory held is bounded by the windows
+  in flight, not by the files' size (with stream transforms, whole files
+  are still framed in memory first, then uploaded). ``.metadata`` is put
+  last, after every data object is complete, and an earlier save's
+  metadata objects are removed first (``prepare_local_plan``), as on a
+  local directory;
 * load: the byte ranges of the records this rank reads (whole records,
   so every CRC-32 is checked) are fetched in parallel (``cat_ranges``) into
   sparse in-memory files the size of the objects, and the local reader's
@@ -196,6 +199,17 @@ class FsspecWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         files = self._files(plan)
         reorder = _uses_overlapping_loader(self.thread_count, self.per_thread_copy_ahead)
+        if self._transforms is None:
+            urls = [_join(self.path, name) for name, _items in files]
+
+            def engine(table: Any, buffers: Any, plans: Any, stage: Any,
+                       stream: Any) -> list[int]:
+                return _fs_remote.write_objects(self.fs.fs, urls, table, buffers, plans,
+                                                stage, stream)
+
+            return completed_future(write_files(Path(), files, planner, reorder, False,
+                                                engine=engine))
+        # (stream transforms: whole files in memory, then uploaded)
         with _fs_remote.MemFiles() as mem:
             locate = {name: mem.create(name) for name, _items in files}
             results = write_files(Path(), files, planner, reorder, False, self._transforms,
