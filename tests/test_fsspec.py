@@ -33,7 +33,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _s3server import S3Server  # noqa: E402
+from _s3server import S3Server, serving  # noqa: E402
 
 BUCKET = "shardstate-test"
 # What a failed save or load raises: the error itself, or (shardstate's
@@ -44,12 +44,8 @@ _FAILED = (dcp.CheckpointException, Exception)
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server().start()
-    try:
-        server.make_bucket(BUCKET)
+    with serving(BUCKET) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _url(s3: S3Server | None = None) -> str:

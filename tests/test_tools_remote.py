@@ -24,7 +24,7 @@ pytest.importorskip("moto")
 import shardstate.checkpoint as dcp  # noqa: E402
 import torch.distributed.checkpoint as tdcp  # noqa: E402
 from shardstate.checkpoint import CheckpointManager  # noqa: E402
-from shardstate.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: E402
+from shardstate.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 from shardstate.checkpoint._steps import list_steps  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: E402
     FsspecWriter as TorchWriter,
@@ -160,6 +160,23 @@ def test_commands_on_s3_checkpoints_by_torch_and_by_shardstate(s3, s3_conf, tmp_
     dcp.save(_state(3), checkpoint_id=tmp_path / "local")
     assert _run(cli, "diff", f"{root}/step_1", str(tmp_path / "local"))[0] == 0
 
+    # convert: from the store to a torch.save file and to safetensors, and back
+    assert _run(cli, "convert", "-q", f"{root}/step_1", str(tmp_path / "m.pt"))[0] == 0
+    pt = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(pt["w"], sd["w"]) and pt["extra"] == sd["extra"]
+    assert _run(cli, "convert", "-q", str(tmp_path / "m.pt"), f"{root}/from_pt")[0] == 0
+    assert _run(cli, "diff", f"{root}/from_pt", f"{root}/step_1")[:2] == (0, "no differences\n")
+    assert _run(cli, "convert", "-q", "--to", "safetensors", f"{root}/step_2",
+                str(tmp_path / "hf"))[0] == 0
+    from safetensors.torch import load_file
+
+    (st,) = (tmp_path / "hf").glob("*.safetensors")
+    assert torch.equal(load_file(st)["w"], sd["w"])
+    assert _run(cli, "convert", "-q", str(tmp_path / "hf"), f"{root}/from_hf")[0] == 0
+    back = {"w": torch.zeros(40, 30), "b": torch.zeros(7, dtype=torch.int64)}
+    dcp.load(back, storage_reader=FsspecReader(f"{root}/from_hf", **s3.storage_options))
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"])
+
     # one bit of w's data flipped in the object: verify names the item and the object's URL
     fs, key = s3.fs(), f"{root.removeprefix('s3://')}/step_2/__0_0.distcp"
     data = bytearray(fs.cat_file(key))
@@ -178,8 +195,9 @@ def test_commands_on_s3_checkpoints_by_torch_and_by_shardstate(s3, s3_conf, tmp_
     assert _run(cli, "ls", f"s3://{BUCKET}/no-such-root")[0] == 3
     # prune keeps the newest loadable step, removes the rest, on the store
     assert _run(cli, "prune", "-q", root, "--keep", "1")[0] == 0
-    assert [s.step for s in list_steps(root)] == [2]
-    assert _keys(s3, root) and all(k.startswith("step_2/") for k in _keys(s3, root))
+    assert [s.step for s in list_steps(root)] == [2]  # from_* are not steps: left alone
+    left = {k.split("/")[0] for k in _keys(s3, root)}
+    assert left == {"step_2", "from_pt", "from_hf"}
 
 
 def _run(cli: Any, *args: str) -> tuple[int, str, str]:

@@ -52,6 +52,7 @@ from ._dist import _Coordinator, dist_ready
 from ._nested_dict import flatten_state_dict
 from ._pickle import UnsafePickleError
 from ._setup import _coordinator
+from ._steps import is_url
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from .filesystem import FileSystemReader, FileSystemWriter
 from .metadata import STATE_DICT_TYPE, Metadata, TensorProperties, TensorStorageMetadata
@@ -119,14 +120,34 @@ def _save_atomically(obj: Any, path: str | os.PathLike) -> None:
         os.close(dfd)
 
 
+def _dcp_reader(path: str | os.PathLike, unsafe_unpickle: bool = False) -> FileSystemReader:
+    """The reader of a DCP checkpoint in a directory, or at an fsspec URL
+    (fsspec's options from its configuration)."""
+    if is_url(path):
+        from ._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(path)
+        reader.unsafe_unpickle = unsafe_unpickle
+        return reader
+    return FileSystemReader(path, unsafe_unpickle=unsafe_unpickle)
+
+
+def _dcp_writer(path: str | os.PathLike) -> FileSystemWriter:
+    if is_url(path):
+        from ._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    return FileSystemWriter(path)
+
+
 def dcp_to_torch_save(
     dcp_checkpoint_dir: str | os.PathLike,
     torch_save_path: str | os.PathLike,
     *,
     unsafe_unpickle: bool = False,
 ) -> None:
-    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` into a
-    torch.save file at ``torch_save_path`` (a path, or a writable binary
+    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` (a directory or
+    an fsspec URL) into a torch.save file at ``torch_save_path`` (a path, or a writable binary
     file object): the state dict as it was saved, nested, tensors on CPU.
 
     The whole checkpoint is loaded into this process (run it on one rank).
@@ -134,7 +155,7 @@ def dcp_to_torch_save(
     holding any class, as ``FileSystemReader(path, unsafe_unpickle=True)``.
     """
     sd: STATE_DICT_TYPE = {}
-    reader = FileSystemReader(dcp_checkpoint_dir, unsafe_unpickle=unsafe_unpickle)
+    reader = _dcp_reader(dcp_checkpoint_dir, unsafe_unpickle)
     _load_state_dict(sd, reader, _coordinator(None, True),
                      _EmptyStateDictLoadPlanner())
     if isinstance(torch_save_path, (str, os.PathLike)):
@@ -148,7 +169,8 @@ def torch_save_to_dcp(
     dcp_checkpoint_dir: str | os.PathLike,
 ) -> None:
     """Convert the torch.save file at ``torch_save_path`` into a DCP
-    checkpoint in ``dcp_checkpoint_dir`` (the default planner; tensors as
+    checkpoint in ``dcp_checkpoint_dir`` (a directory or an fsspec URL; the
+    default planner; tensors as
     they were loaded, other values as bytes items).
 
     The file is read with ``torch.load(weights_only=True)``: one holding
@@ -156,7 +178,7 @@ def torch_save_to_dcp(
     """
     state_dict = _load_torch_save(torch_save_path)
     # Nothing torch.load gives back is Stateful: saved as it is.
-    _save_state_dict(state_dict, FileSystemWriter(dcp_checkpoint_dir),
+    _save_state_dict(state_dict, _dcp_writer(dcp_checkpoint_dir),
                      _coordinator(None, True), DefaultSavePlanner())
 
 
@@ -376,7 +398,8 @@ def dcp_to_safetensors(
     output_dir: str | os.PathLike,
     fqn_to_index_mapping: dict[str, int] | None = None,
 ) -> None:
-    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` into Hugging Face
+    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` (a directory or
+    an fsspec URL) into Hugging Face
     safetensors files in ``output_dir`` (``HuggingFaceStorageWriter``: one
     file, or the files ``fqn_to_index_mapping`` names, plus
     ``model.safetensors.index.json``). Every tensor is stored whole under
@@ -385,7 +408,7 @@ def dcp_to_safetensors(
     from .hf_storage import HuggingFaceStorageWriter
 
     torch = import_torch()
-    reader = FileSystemReader(dcp_checkpoint_dir)
+    reader = _dcp_reader(dcp_checkpoint_dir)
     md = reader.read_metadata()
     sd: STATE_DICT_TYPE = {
         fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
@@ -401,7 +424,8 @@ def safetensors_to_dcp(
 ) -> None:
     """Convert the safetensors files in ``input_dir`` (every
     ``*.safetensors`` there: one consolidated file, several, or DCP's
-    sharded files) into a DCP checkpoint in ``dcp_checkpoint_dir``, each
+    sharded files) into a DCP checkpoint in ``dcp_checkpoint_dir`` (a
+    directory or an fsspec URL), each
     tensor whole under its name. Run it on one rank."""
     from .hf_storage import HuggingFaceStorageReader
 
@@ -411,5 +435,5 @@ def safetensors_to_dcp(
     sd: STATE_DICT_TYPE = {fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
                            for fqn, m in md.state_dict_metadata.items()}
     _load_state_dict(sd, reader, _coordinator(None, True), DefaultLoadPlanner())
-    _save_state_dict(sd, FileSystemWriter(dcp_checkpoint_dir), _coordinator(None, True),
+    _save_state_dict(sd, _dcp_writer(dcp_checkpoint_dir), _coordinator(None, True),
                      DefaultSavePlanner())
