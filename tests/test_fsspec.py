@@ -317,12 +317,9 @@ def test_bytes_items_through_restricted_unpickler() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_s3_both_ways_with_torch(s3: S3Server) -> None:
-    opts = s3.storage_options
-    sd = _state()
-    sd["blob"] = b"raw bytes item"
-    ours, theirs = _url(s3), _url(s3)
-    dcp.save(sd, storage_writer=FsspecWriter(ours, **opts))
+def _torch_saves_and_reads(sd: dict, theirs: str, ours: str, opts: dict) -> dict:
+    """torch's FsspecWriter saves ``sd`` at ``theirs``; what its
+    FsspecReader reads of our checkpoint at ``ours``."""
     w = _torch_quiet()
     try:
         tdcp.save(sd, storage_writer=TorchWriter(theirs, **opts))
@@ -330,6 +327,16 @@ def test_s3_both_ways_with_torch(s3: S3Server) -> None:
         tdcp.load(got, storage_reader=TorchReader(ours, **opts))
     finally:
         w.__exit__(None, None, None)
+    return got
+
+
+def test_s3_both_ways_with_torch(s3: S3Server) -> None:
+    opts = s3.storage_options
+    sd = _state()
+    sd["blob"] = b"raw bytes item"
+    ours, theirs = _url(s3), _url(s3)
+    dcp.save(sd, storage_writer=FsspecWriter(ours, **opts))
+    got = _torch_saves_and_reads(sd, theirs, ours, opts)
     _check(got, sd)
     got = _blank(sd)
     dcp.load(got, storage_reader=FsspecReader(theirs, **opts))
@@ -362,13 +369,7 @@ def test_s3_multipart_save_in_windows(s3: S3Server, monkeypatch) -> None:
     part_size = _fs_remote.S3_MIN_PART
     assert len(parts) == 3 and parts[:2] == [part_size] * 2 and 0 < parts[2] < part_size
     assert _fs_remote.held.peak <= 3 * part_size and _fs_remote.held.now == 0
-    w = _torch_quiet()
-    try:
-        tdcp.save(sd, storage_writer=TorchWriter(theirs, **opts))
-        got = _blank(sd)
-        tdcp.load(got, storage_reader=TorchReader(ours, **opts))
-    finally:
-        w.__exit__(None, None, None)
+    got = _torch_saves_and_reads(sd, theirs, ours, opts)
     plain = {k: v for k, v in sd.items() if k != "blob"}
     _check({k: v for k, v in got.items() if k != "blob"}, plain)
     got = _blank(sd)

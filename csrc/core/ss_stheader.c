@@ -164,6 +164,18 @@ static int expect(parser *ps, char c, const char *what)
     return 0;
 }
 
+/* After an object's member: 1 when a ',' says another follows, 0 after the
+ * closing '}', < 0 (the error) on anything else. */
+static int next_member(parser *ps)
+{
+    skip_ws(ps);
+    if (ps->p < ps->end && *ps->p == ',') {
+        ps->p++;
+        return 1;
+    }
+    return expect(ps, '}', "expected ',' or '}'") < 0 ? ps->rc : 0;
+}
+
 static int hex4(parser *ps, unsigned *v)
 {
     *v = 0;
@@ -574,14 +586,11 @@ static int parse_entry(parser *ps, size_t t, uint64_t data_len)
                                    "bad data_offsets (a list [begin, end] of "
                                    "integers 0 .. 2^63 - 1 expected)");
         }
-        skip_ws(ps);
-        if (ps->p < ps->end && *ps->p == ',') {
-            ps->p++;
-            continue;
-        }
-        if (expect(ps, '}', "expected ',' or '}'") < 0)
-            return ps->rc;
-        break;
+        int r = next_member(ps);
+        if (r < 0)
+            return r;
+        if (r == 0)
+            break;
     }
     if (seen != 7u)
         return tensor_fail(ps, t, EXACTLY);
@@ -670,12 +679,9 @@ static int parse_metadata(parser *ps)
         if (parse_string(ps, &m[2], &m[3]) < 0)
             return ps->rc;
         ps->nmeta++;
-        skip_ws(ps);
-        if (ps->p < ps->end && *ps->p == ',') {
-            ps->p++;
-            continue;
-        }
-        return expect(ps, '}', "expected ',' or '}'");
+        int r = next_member(ps);
+        if (r <= 0)
+            return r;
     }
 }
 
@@ -834,14 +840,11 @@ static int parse_top(parser *ps, uint64_t data_len)
                 if (parse_entry(ps, ps->nt++, data_len) < 0)
                     return ps->rc;
             }
-            skip_ws(ps);
-            if (ps->p < ps->end && *ps->p == ',') {
-                ps->p++;
-                continue;
-            }
-            if (expect(ps, '}', "expected ',' or '}'") < 0)
-                return ps->rc;
-            break;
+            int r = next_member(ps);
+            if (r < 0)
+                return r;
+            if (r == 0)
+                break;
         }
     }
     skip_ws(ps);
