@@ -504,7 +504,8 @@ def _save_ranks(rank: int, world: int, url: str, opts: dict) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     sd = {"dt": distribute_tensor(_FULL.clone(), mesh, [Shard(0)]),
-          "rep": torch.arange(6.0), "step": 5, "blob": b"from rank 0"}
+          "rep": torch.arange(6.0), "step": 5, "blob": b"from rank 0",
+          "whole": torch.arange(48.0).reshape(12, 4)}
     dcp.save(sd, storage_writer=FsspecWriter(url, **opts))
 
 
@@ -517,9 +518,13 @@ def _load_ranks(rank: int, world: int, url: str, opts: dict) -> bool:
     mesh = init_device_mesh("cpu", (world,))
     sd = {"dt": distribute_tensor(torch.zeros(24, 10), mesh, [Shard(1)]),
           "rep": distribute_tensor(torch.zeros(6), mesh, [Replicate()]), "step": 0,
-          "blob": b""}
+          "blob": b"",
+          # one record split between the ranks in contiguous parts: each rank
+          # checks the CRC of its part, and the parts are combined across ranks
+          "whole": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)])}
     dcp.load(sd, storage_reader=FsspecReader(url, **opts))
     return (torch.equal(sd["dt"].full_tensor(), _FULL) and sd["step"] == 5
+            and torch.equal(sd["whole"].full_tensor(), torch.arange(48.0).reshape(12, 4))
             and torch.equal(sd["rep"].to_local(), torch.arange(6.0))
             and sd["blob"] == b"from rank 0")
 

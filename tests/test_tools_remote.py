@@ -1,8 +1,8 @@
 """CheckpointManager and the ``shardstate`` command on an object store: a
 real S3 API (moto's standalone server, tests/_s3server.py, through s3fs),
 with checkpoints written by shardstate and by torch; and the manager
-across FSDP1, DDP and a plain model (``get_state_dict`` / ``set_state_dict``),
-resharded from 2 ranks to 3 to 1."""
+across FSDP1, DDP, FSDP2 and a plain model (``get_state_dict`` /
+``set_state_dict``), resharded from 2 ranks to 3, 2 and 1."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def _run(cli: Any, *args: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-# -- FSDP1 -> DDP -> a plain model, through the manager on S3 -------------------
+# -- FSDP1 -> DDP -> FSDP2 and a plain model, through the manager on S3 -------------------
 
 
 def _model() -> Any:
@@ -284,6 +284,19 @@ def _ddp_restore_save(rank: int, world: int, root: str, opts: dict) -> tuple:
     return step, got, _full(model, optim)
 
 
+def _fsdp2_restore(rank: int, world: int, root: str, opts: dict) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    with CheckpointManager(root, storage_options=opts, preemption_signals=()) as mgr:
+        assert mgr.restore({"app": _App(model, optim)}) == 5
+    full = _full(model, optim)  # a collective: every rank
+    return full if rank == 0 else None
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
@@ -292,7 +305,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def test_manager_fsdp1_to_ddp_to_plain_model_on_s3(run_distributed, s3):
+def test_manager_fsdp1_to_ddp_to_fsdp2_and_plain_model_on_s3(run_distributed, s3):
     root, opts = _root(), s3.storage_options
     saved = run_distributed(_fsdp1_save, 2, root, opts, timeout=300)[0]
     assert saved["optim"] and all("exp_avg" in v for v in saved["optim"].values())
@@ -301,6 +314,7 @@ def test_manager_fsdp1_to_ddp_to_plain_model_on_s3(run_distributed, s3):
         assert step == 3 and _same(got, saved)
     after = out[0][2]
     assert not _same(after["model"], saved["model"])  # DDP trained on
+    assert _same(run_distributed(_fsdp2_restore, 2, root, opts, timeout=300)[0], after)
 
     model = _model()  # a plain model, one process, no process group
     optim = torch.optim.Adam(model.parameters(), lr=0.01)

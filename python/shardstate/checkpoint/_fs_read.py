@@ -581,8 +581,11 @@ class _Reads:
 
     def _add_piece(self, r: _Req, rec: _Rec, start: int, count: int, crc: int) -> None:
         """One checksummed range of a shared chunk's record, for verify_pieces."""
-        self.pieces.append((_index_key(r.item.storage_index), r.file.path, rec.data_offset,
-                            rec.data_length, rec.data_crc32, start, count, crc, r.where()))
+        # keyed by the storage path, the same on every rank (a local copy's
+        # path is not: an object store's records are read from per-rank copies)
+        self.pieces.append((_index_key(r.item.storage_index), r.file.rel, rec.data_offset,
+                            rec.data_length, rec.data_crc32, start, count, crc,
+                            self.records.display(r.where())))
 
     def run(
         self, jobs: list[ssio.ReadJob], reqs: list[tuple[_Req, _Rec]], checksum: bool = False

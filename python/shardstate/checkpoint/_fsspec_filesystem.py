@@ -250,6 +250,9 @@ class _RemoteRecords(_Records):
         f = files[rel] = self.mirror.file(rel)  # type: ignore[index]
         return f
 
+    def display(self, text: str) -> str:
+        return self.mirror.rename(text)
+
 
 class FsspecReader(FileSystemReader):
     """Reads a DCP checkpoint at an fsspec URL written by torch 2.13 or by

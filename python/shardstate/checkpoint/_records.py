@@ -344,6 +344,11 @@ class _Records:
         f = files[rel] = _File(rel, full, size)
         return f
 
+    def display(self, text: str) -> str:
+        """``text`` naming files as users know them (the files' own paths
+        here; an object store's URLs where the files are local copies)."""
+        return text
+
     def requests(self, items: Iterable[Any]) -> list[_Req]:
         """The read items located in their files, in file and offset order."""
         files: dict[str, _File] = {}
