@@ -136,24 +136,18 @@ def _shard_mapping(src: str, max_bytes: int) -> dict[str, int]:
     safetensors file it goes to: in the metadata's order, a new file when
     the next tensor would take this one past ``max_bytes`` (Hugging Face's
     ``max_shard_size`` rule: a tensor bigger than that gets a file alone)."""
-    from .checkpoint._inspect import describe
+    from .checkpoint._inspect import _itemsize, _open
 
     mapping, index, used = {}, 1, 0
-    for it in describe(src)["items"]:
-        if it["kind"] != "tensor":
+    for fqn, tmd in _open(src)[1].state_dict_metadata.items():
+        if not hasattr(tmd, "chunks"):  # a bytes item: not in safetensors
             continue
-        n = math.prod(it["shape"]) * _itemsize(it["dtype"])
+        n = math.prod(tmd.size) * _itemsize(tmd.properties.dtype)
         if used and used + n > max_bytes:
             index, used = index + 1, 0
-        mapping[it["key"]] = index
+        mapping[fqn] = index
         used += n
     return mapping
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _is_dcp(path: str) -> bool:

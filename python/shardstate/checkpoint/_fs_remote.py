@@ -681,7 +681,8 @@ class Mirror:
     def url(self, rel: str) -> str:
         return posixpath.join(self.root, rel)
 
-    def _size(self, rel: str) -> int:
+    def size(self, rel: str) -> int:
+        """Object ``rel``'s size (from one listing of the root)."""
         if self._sizes is None:
             self._sizes = listing(self.fs, self.root, detail=True)
         size = self._sizes.get(rel)
@@ -701,7 +702,7 @@ class Mirror:
         object's size, on first use)."""
         f = self._files.get(rel)
         if f is None:
-            size = self._size(rel)
+            size = self.size(rel)
             fd = self._fds[rel] = _memfd(rel)
             os.ftruncate(fd, size)
             f = self._files[rel] = _File(rel, _fd_path(fd), size)

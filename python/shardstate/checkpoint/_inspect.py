@@ -37,6 +37,7 @@ from .. import io as ssio
 from .._core import ChecksumError
 from ._fs_read import _CudaDest, _Reads
 from ._records import StorageFormatError, _index_key, transforms
+from ._setup import _tool_reader
 from ._steps import is_url
 from .filesystem import FileSystemReader
 
@@ -61,17 +62,12 @@ def _open(path: str | os.PathLike) -> tuple[FileSystemReader, Any]:
     """The reader of the checkpoint at ``path`` (a directory, or an fsspec
     URL: its options from fsspec's configuration, e.g. the environment's
     ``FSSPEC_S3_ENDPOINT_URL``), set up, and its metadata."""
-    if is_url(path):
-        from ._fsspec_filesystem import FsspecReader
-
-        try:
-            reader: FileSystemReader = FsspecReader(path)
-        except (ValueError, ImportError, OSError) as e:
-            raise CheckpointUnreadable(f"{path}: {e}") from None
-    else:
-        if not Path(path).is_dir():
-            raise CheckpointUnreadable(f"{path}: no such checkpoint directory")
-        reader = FileSystemReader(path)
+    if not is_url(path) and not Path(path).is_dir():
+        raise CheckpointUnreadable(f"{path}: no such checkpoint directory")
+    try:
+        reader: FileSystemReader = _tool_reader(path)
+    except (ValueError, ImportError, OSError) as e:  # no fsspec, or a bad URL
+        raise CheckpointUnreadable(f"{path}: {e}") from None
     try:
         md = reader.read_metadata()
     except (FileNotFoundError, StorageFormatError, OSError, ShardstateError) as e:
@@ -110,11 +106,11 @@ def _staged(reader: FileSystemReader, reqs: list[Any]) -> Iterator[None]:
 def _file_size(reader: FileSystemReader, path: str | os.PathLike, rel: str) -> int | None:
     mirror = _mirror(reader)
     try:
-        if mirror is not None:
+        if mirror is not None:  # from the objects' listing; no local copy made
             from ._fs_remote import check_relative
 
             check_relative(path, rel)
-            return mirror.file(rel).size
+            return mirror.size(rel)
         return os.stat(Path(path) / rel).st_size
     except (OSError, StorageFormatError):
         return None

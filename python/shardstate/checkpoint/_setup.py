@@ -37,6 +37,38 @@ def _storage_setup(storage: Any, checkpoint_id: str | os.PathLike | None, reader
         f"{'' if len(targets) > 1 else ' (and fsspec, for URLs, is not installed)'}.")
 
 
+def _tool_reader(path: str | os.PathLike, unsafe_unpickle: bool = False) -> Any:
+    """The reader a tool (the command, format_utils) opens a checkpoint
+    with: an FsspecReader for a URL (fsspec's configured options), else a
+    FileSystemReader, also on a read-only mount (which _storage_setup's
+    writable-parent check would send to fsspec)."""
+    from ._steps import is_url
+
+    if is_url(path):
+        from ._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(path)
+        reader.unsafe_unpickle = unsafe_unpickle
+        return reader
+    from .filesystem import FileSystemReader
+
+    return FileSystemReader(path, unsafe_unpickle=unsafe_unpickle)
+
+
+def _tool_writer(path: str | os.PathLike) -> Any:
+    """``_tool_reader``'s writer: an FsspecWriter for a URL, else a
+    FileSystemWriter."""
+    from ._steps import is_url
+
+    if is_url(path):
+        from ._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    from .filesystem import FileSystemWriter
+
+    return FileSystemWriter(path)
+
+
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int = 0) -> _Coordinator:
     """no_dist is implied when torch.distributed is not initialised."""
     use_dist = (not no_dist) and dist_ready()

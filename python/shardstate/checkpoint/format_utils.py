@@ -51,10 +51,9 @@ from . import _tensors, _torchsave
 from ._dist import _Coordinator, dist_ready
 from ._nested_dict import flatten_state_dict
 from ._pickle import UnsafePickleError
-from ._setup import _coordinator
-from ._steps import is_url
+from ._setup import _coordinator, _tool_reader, _tool_writer
 from .default_planner import DefaultLoadPlanner, DefaultSavePlanner, _EmptyStateDictLoadPlanner
-from .filesystem import FileSystemReader, FileSystemWriter
+from .filesystem import FileSystemReader, FileSystemWriter  # noqa: F401 - torch's module has them
 from .metadata import STATE_DICT_TYPE, Metadata, TensorProperties, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, LoadPlanner
 from .planner_helpers import _create_chunk_list
@@ -120,26 +119,6 @@ def _save_atomically(obj: Any, path: str | os.PathLike) -> None:
         os.close(dfd)
 
 
-def _dcp_reader(path: str | os.PathLike, unsafe_unpickle: bool = False) -> FileSystemReader:
-    """The reader of a DCP checkpoint in a directory, or at an fsspec URL
-    (fsspec's options from its configuration)."""
-    if is_url(path):
-        from ._fsspec_filesystem import FsspecReader
-
-        reader = FsspecReader(path)
-        reader.unsafe_unpickle = unsafe_unpickle
-        return reader
-    return FileSystemReader(path, unsafe_unpickle=unsafe_unpickle)
-
-
-def _dcp_writer(path: str | os.PathLike) -> FileSystemWriter:
-    if is_url(path):
-        from ._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(path)
-    return FileSystemWriter(path)
-
-
 def dcp_to_torch_save(
     dcp_checkpoint_dir: str | os.PathLike,
     torch_save_path: str | os.PathLike,
@@ -155,7 +134,7 @@ def dcp_to_torch_save(
     holding any class, as ``FileSystemReader(path, unsafe_unpickle=True)``.
     """
     sd: STATE_DICT_TYPE = {}
-    reader = _dcp_reader(dcp_checkpoint_dir, unsafe_unpickle)
+    reader = _tool_reader(dcp_checkpoint_dir, unsafe_unpickle)
     _load_state_dict(sd, reader, _coordinator(None, True),
                      _EmptyStateDictLoadPlanner())
     if isinstance(torch_save_path, (str, os.PathLike)):
@@ -178,7 +157,7 @@ def torch_save_to_dcp(
     """
     state_dict = _load_torch_save(torch_save_path)
     # Nothing torch.load gives back is Stateful: saved as it is.
-    _save_state_dict(state_dict, _dcp_writer(dcp_checkpoint_dir),
+    _save_state_dict(state_dict, _tool_writer(dcp_checkpoint_dir),
                      _coordinator(None, True), DefaultSavePlanner())
 
 
@@ -408,7 +387,7 @@ def dcp_to_safetensors(
     from .hf_storage import HuggingFaceStorageWriter
 
     torch = import_torch()
-    reader = _dcp_reader(dcp_checkpoint_dir)
+    reader = _tool_reader(dcp_checkpoint_dir)
     md = reader.read_metadata()
     sd: STATE_DICT_TYPE = {
         fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
@@ -435,5 +414,5 @@ def safetensors_to_dcp(
     sd: STATE_DICT_TYPE = {fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
                            for fqn, m in md.state_dict_metadata.items()}
     _load_state_dict(sd, reader, _coordinator(None, True), DefaultLoadPlanner())
-    _save_state_dict(sd, _dcp_writer(dcp_checkpoint_dir), _coordinator(None, True),
+    _save_state_dict(sd, _tool_writer(dcp_checkpoint_dir), _coordinator(None, True),
                      DefaultSavePlanner())
