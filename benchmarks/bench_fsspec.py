@@ -21,7 +21,7 @@ reach on s3. ``--ceiling`` measures that bound for the same bytes: one put,
 then multipart uploads of part sizes 8-128 MiB with 1-8 parts in flight,
 each timed once; the best is compared to torch's save. ``--part-mib`` /
 ``--concurrency`` set shardstate's upload part size and parts in flight
-(``_fs_remote.UPLOAD_PART`` / ``UPLOAD_CONCURRENCY``) for tuning.
+(``_fs_upload.UPLOAD_PART`` / ``UPLOAD_CONCURRENCY``) for tuning.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _multipart(fs, key: str, data: bytes, part: int, inflight: int) -> float:
             async with sem:
                 out = await fs._call_s3("upload_part", Bucket=bucket, Key=k,
                                         UploadId=mpu["UploadId"], PartNumber=n,
-                                        Body=_fs_remote.Body(view[a:a + part]))
+                                        Body=_fs_upload.Body(view[a:a + part]))
                 return {"PartNumber": n, "ETag": out["ETag"]}
 
         parts = await asyncio.gather(*[one(i + 1, a)
@@ -152,7 +152,7 @@ def _multipart(fs, key: str, data: bytes, part: int, inflight: int) -> float:
                           UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
 
     import fsspec.asyn
-    from shardstate.checkpoint import _fs_remote
+    from shardstate.checkpoint import _fs_upload
 
     t0 = time.perf_counter()
     fsspec.asyn.sync(fs.loop, go)
@@ -215,12 +215,12 @@ def main() -> None:
     ap.add_argument("--part-mib", type=int, default=0, help="shardstate's upload part size")
     ap.add_argument("--concurrency", type=int, default=0, help="shardstate's parts in flight")
     args = ap.parse_args()
-    from shardstate.checkpoint import _fs_remote
+    from shardstate.checkpoint import _fs_upload
 
     if args.part_mib:
-        _fs_remote.UPLOAD_PART = args.part_mib << 20
+        _fs_upload.UPLOAD_PART = args.part_mib << 20
     if args.concurrency:
-        _fs_remote.UPLOAD_CONCURRENCY = args.concurrency
+        _fs_upload.UPLOAD_CONCURRENCY = args.concurrency
     warnings.filterwarnings("ignore")  # torch's "single process" notes, botocore's
     import fsspec
 
@@ -230,7 +230,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"state: {len(sd['model'])} parameters with Adam moments, "
           f"{nbytes / 2**20:.0f} MiB; median of {args.repeat}; shardstate parts "
-          f"{_fs_remote.UPLOAD_PART >> 20} MiB x {_fs_remote.UPLOAD_CONCURRENCY} in flight; "
+          f"{_fs_upload.UPLOAD_PART >> 20} MiB x {_fs_upload.UPLOAD_CONCURRENCY} in flight; "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     server = None
     try:

@@ -21,7 +21,7 @@ pytest.importorskip("moto")
 import shardstate.checkpoint as dcp  # noqa: E402
 import torch.distributed.checkpoint as tdcp  # noqa: E402
 from shardstate._core import ChecksumError  # noqa: E402
-from shardstate.checkpoint import _fs_remote, _fsspec_filesystem  # noqa: E402
+from shardstate.checkpoint import _fs_remote, _fs_upload, _fsspec_filesystem  # noqa: E402
 from shardstate.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 from shardstate.checkpoint._setup import _storage_setup  # noqa: E402
 from shardstate.checkpoint.filesystem import StorageFormatError, _dump_metadata  # noqa: E402
@@ -182,14 +182,14 @@ def test_save_in_windows_is_torchs_bytes(monkeypatch, tmp_path: Path, window: in
     and trailers cut anywhere), written window by window to each object's
     file (file://: fsspec's local filesystem), makes torch's files, holding
     at most (concurrency + 1) windows at once."""
-    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", window)
-    monkeypatch.setattr(_fs_remote, "UPLOAD_CONCURRENCY", 2)
+    monkeypatch.setattr(_fs_upload, "UPLOAD_PART", window)
+    monkeypatch.setattr(_fs_upload, "UPLOAD_CONCURRENCY", 2)
     url, turl = f"file://{tmp_path}/ours", f"file://{tmp_path}/torchs"
     sd = _windowed_state()
-    _fs_remote.held.reset_peak()
+    _fs_upload.held.reset_peak()
     dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=2))
-    assert 0 < _fs_remote.held.peak <= 3 * window
-    assert _fs_remote.held.now == 0
+    assert 0 < _fs_upload.held.peak <= 3 * window
+    assert _fs_upload.held.now == 0
     w = _torch_quiet()
     try:
         tdcp.save(sd, storage_writer=TorchWriter(turl, thread_count=2))
@@ -233,7 +233,7 @@ class _FailingWrite:
     def __init__(self, fail_at: int) -> None:
         self.calls = 0
         self.fail_at = fail_at
-        self.real = _fs_remote._stream_write
+        self.real = _fs_upload._stream_write
 
     def __call__(self, f: Any, body: Any) -> None:
         self.calls += 1
@@ -249,14 +249,14 @@ def test_failed_upload_over_a_checkpoint_leaves_no_metadata(monkeypatch, tmp_pat
     fs = fsspec.filesystem("file")
     assert fs.exists(f"{url}/.metadata")
     fail = _FailingWrite(2)
-    monkeypatch.setattr(_fs_remote, "_stream_write", fail)
+    monkeypatch.setattr(_fs_upload, "_stream_write", fail)
     with pytest.raises(_FAILED, match="injected"):
         with pytest.warns(UserWarning, match="overwriting"):
             dcp.save(sd, storage_writer=FsspecWriter(url, thread_count=2))
     assert fail.calls == 2
     assert not fs.exists(f"{url}/.metadata")  # the old one went first, no new one came
     assert not [n for n in fs.ls(url, detail=False) if n.endswith(".distcp")]  # no half objects
-    assert _fs_remote.held.now == 0  # every window released
+    assert _fs_upload.held.now == 0  # every window released
     with pytest.raises(_FAILED, match="metadata"):
         dcp.load(_blank(sd), storage_reader=FsspecReader(url))
 
@@ -350,25 +350,25 @@ def test_s3_multipart_save_in_windows(s3: S3Server, monkeypatch) -> None:
     """On S3 each window is a part of a multipart upload (S3's 5 MiB
     smallest part, several in flight); a record bigger than a part spans
     several; the object is torch's bytes and both readers read it."""
-    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", 1)  # raised to S3's smallest part
-    monkeypatch.setattr(_fs_remote, "UPLOAD_CONCURRENCY", 2)
+    monkeypatch.setattr(_fs_upload, "UPLOAD_PART", 1)  # raised to S3's smallest part
+    monkeypatch.setattr(_fs_upload, "UPLOAD_CONCURRENCY", 2)
     parts: list[int] = []
-    real_part = _fs_remote._S3._part
+    real_part = _fs_upload._S3._part
 
     async def part(self: Any, k: int, body: Any) -> None:
         parts.append(len(body))
         await real_part(self, k, body)
 
-    monkeypatch.setattr(_fs_remote._S3, "_part", part)
+    monkeypatch.setattr(_fs_upload._S3, "_part", part)
     opts = s3.storage_options
     ours, theirs = _url(s3), _url(s3)
     sd = _windowed_state()
     sd["huge"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))  # 12 MiB
-    _fs_remote.held.reset_peak()
+    _fs_upload.held.reset_peak()
     dcp.save(sd, storage_writer=FsspecWriter(ours, **opts))
-    part_size = _fs_remote.S3_MIN_PART
+    part_size = _fs_upload.S3_MIN_PART
     assert len(parts) == 3 and parts[:2] == [part_size] * 2 and 0 < parts[2] < part_size
-    assert _fs_remote.held.peak <= 3 * part_size and _fs_remote.held.now == 0
+    assert _fs_upload.held.peak <= 3 * part_size and _fs_upload.held.now == 0
     got = _torch_saves_and_reads(sd, theirs, ours, opts)
     plain = {k: v for k, v in sd.items() if k != "blob"}
     _check({k: v for k, v in got.items() if k != "blob"}, plain)
@@ -379,7 +379,7 @@ def test_s3_multipart_save_in_windows(s3: S3Server, monkeypatch) -> None:
     a, b = f"{ours}/__0_0.distcp"[5:], f"{theirs}/__0_0.distcp"[5:]
     assert fs.cat_file(a) == fs.cat_file(b)
     # at most S3_MAX_PARTS parts: bigger ones when the object needs them
-    monkeypatch.setattr(_fs_remote, "S3_MAX_PARTS", 2)
+    monkeypatch.setattr(_fs_upload, "S3_MAX_PARTS", 2)
     parts.clear()
     again = _url(s3)
     dcp.save(sd, storage_writer=FsspecWriter(again, **opts))
@@ -391,15 +391,15 @@ def test_s3_multipart_save_in_windows(s3: S3Server, monkeypatch) -> None:
 def test_s3_failed_part_aborts_the_upload(s3: S3Server, monkeypatch) -> None:
     """A part that fails aborts its multipart upload: no object, no
     upload left open, no .metadata."""
-    monkeypatch.setattr(_fs_remote, "UPLOAD_PART", 1)
-    real_part = _fs_remote._S3._part
+    monkeypatch.setattr(_fs_upload, "UPLOAD_PART", 1)
+    real_part = _fs_upload._S3._part
 
     async def part(self: Any, k: int, body: Any) -> None:
         if k == 1:
             raise OSError("injected: part 2 lost")
         await real_part(self, k, body)
 
-    monkeypatch.setattr(_fs_remote._S3, "_part", part)
+    monkeypatch.setattr(_fs_upload._S3, "_part", part)
     opts = s3.storage_options
     url = _url(s3)
     with pytest.raises(_FAILED, match="injected"):
@@ -408,7 +408,7 @@ def test_s3_failed_part_aborts_the_upload(s3: S3Server, monkeypatch) -> None:
     fs.invalidate_cache()
     assert not fs.exists(f"{url[5:]}/__0_0.distcp") and not fs.exists(f"{url[5:]}/.metadata")
     assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
-    assert _fs_remote.held.now == 0
+    assert _fs_upload.held.now == 0
 
 
 def test_s3_bit_flip_detected(s3: S3Server) -> None:
@@ -475,14 +475,14 @@ def test_s3_server_stopped_during_upload(monkeypatch) -> None:
                     config_kwargs={"retries": {"max_attempts": 1},
                                    "connect_timeout": 2})
         url = _url(server)
-        real = _fs_remote.write_objects
+        real = _fs_upload.write_objects
         published: list[str] = []
 
         def stop_then_upload(*args: Any, **kwargs: Any) -> list[int]:
             server.stop()
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(_fs_remote, "write_objects", stop_then_upload)
+        monkeypatch.setattr(_fs_upload, "write_objects", stop_then_upload)
         monkeypatch.setattr(_fs_remote, "publish", lambda fs, u, d: published.append(u))
         with pytest.raises(_FAILED, match="(?i)connect"):
             dcp.save(_state(), storage_writer=FsspecWriter(url, thread_count=2, **opts))

@@ -6,13 +6,13 @@ The objects are those torch's FsspecWriter writes for the same plan (the
 local writer's names, records and ``.metadata``), so either reader reads
 either writer's checkpoints. The bytes go through the local engine
 unchanged, with in-memory files in place of the directory
-(``_fs_remote.MemFiles``: ``memfd`` files reached through
+(``_fs_upload.MemFiles``: ``memfd`` files reached through
 ``/proc/self/fd``):
 
 * save: ``_fs_write.write_files`` lays a rank's records out and
-  ``_fs_remote.write_objects`` has the engine frame them (CRC-32s in C)
+  ``_fs_upload.write_objects`` has the engine frame them (CRC-32s in C)
   window by window into memory, each window uploaded as it is filled (no
-  copy: ``_fs_remote.Body``, a read-only view of the window's mapping): a
+  copy: ``_fs_upload.Body``, a read-only view of the window's mapping): a
   part of an S3 multipart upload, several in flight, or the next write to
   the object's file elsewhere; the memory held is bounded by the windows
   in flight, not by the files' size (with stream transforms, whole files
@@ -46,7 +46,7 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from . import _fs_remote
+from . import _fs_remote, _fs_upload
 from ._fs_write import _uses_overlapping_loader, write_files
 from ._records import _File, _Records
 from .filesystem import (
@@ -204,17 +204,17 @@ class FsspecWriter(FileSystemWriter):
 
             def engine(table: Any, buffers: Any, plans: Any, stage: Any,
                        stream: Any) -> list[int]:
-                return _fs_remote.write_objects(self.fs.fs, urls, table, buffers, plans,
+                return _fs_upload.write_objects(self.fs.fs, urls, table, buffers, plans,
                                                 stage, stream)
 
             return completed_future(write_files(Path(), files, planner, reorder, False,
                                                 engine=engine))
         # (stream transforms: whole files in memory, then uploaded)
-        with _fs_remote.MemFiles() as mem:
+        with _fs_upload.MemFiles() as mem:
             locate = {name: mem.create(name) for name, _items in files}
             results = write_files(Path(), files, planner, reorder, False, self._transforms,
                                   locate)
-            _fs_remote.upload(self.fs.fs, {_join(self.path, name): mem.body(name)
+            _fs_upload.upload(self.fs.fs, {_join(self.path, name): mem.body(name)
                                            for name, _items in files})
         return completed_future(results)
 
