@@ -541,3 +541,29 @@ def test_s3_save_n_load_m_resharded(s3: S3Server, run_distributed: Any, n: int, 
     assert torch.equal(sd["dt"], _FULL) and sd["step"] == 5
     names = sorted(p.rsplit("/", 1)[1] for p in s3.fs().ls(url[5:], detail=False))
     assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(n)]
+
+
+def test_short_writes_into_the_mirror_are_completed(s3: S3Server, monkeypatch) -> None:
+    """``os.pwrite`` may write less than asked (always past 2 GiB on Linux:
+    a fetched piece of a huge record); the mirror must still hold every
+    byte, or a sound checkpoint fails its CRC check (S3: the ranges come
+    back from ``cat_ranges`` and are written into the mirror)."""
+    import os
+
+    from shardstate import _util
+
+    url, opts = _url(s3), s3.storage_options
+    sd = _state()
+    dcp.save(sd, storage_writer=FsspecWriter(url, **opts))
+    real = os.pwrite
+    calls = []
+
+    def short(fd: int, data: Any, offset: int) -> int:
+        calls.append(len(data))
+        return real(fd, memoryview(data)[:1000], offset)
+
+    monkeypatch.setattr(_util.os, "pwrite", short)
+    got = _blank(sd)
+    dcp.load(got, storage_reader=FsspecReader(url, **opts))
+    _check(got, sd)
+    assert any(n > 1000 for n in calls)  # the pieces came in more than one write each

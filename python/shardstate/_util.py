@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -104,3 +105,16 @@ def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
             return False
         acc *= n
     return True
+
+
+# Linux moves at most this many bytes in one read/write call (2 GiB - 4 KiB)
+_MAX_RW = 0x7FFFF000
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """All of ``data`` (any buffer) written at ``offset``: ``os.pwrite``
+    may write less than asked (always, past ``_MAX_RW`` bytes on Linux)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + _MAX_RW], offset + done)

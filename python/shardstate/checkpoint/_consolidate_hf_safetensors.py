@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import io as ssio
+from .._util import pwrite_all
 from . import _safetensors as st
 from ._hf_utils import (
     CUSTOM_METADATA_KEY,
@@ -90,7 +91,7 @@ def _write_output(path: str, fqns: list[str], sizes: dict[str, tuple[list[int], 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         os.ftruncate(fd, total)
-        os.pwrite(fd, header, 0)
+        pwrite_all(fd, header, 0)
         if total > len(header):
             mm = mmap.mmap(fd, total)
             try:
@@ -157,7 +158,7 @@ def create_outputs(outputs: dict[str, list[str]], sizes: dict[str, tuple[list[in
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
         try:
             os.ftruncate(fd, len(header) + sum(nbytes.values()))
-            os.pwrite(fd, header, 0)
+            pwrite_all(fd, header, 0)
             if fsync:
                 os.fsync(fd)
         finally:

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+from .._util import pwrite_all
 from ._records import StorageFormatError, _File, _Req
 
 # A fetched range is split into FETCH_PARALLEL pieces of at least
@@ -206,7 +207,7 @@ class Mirror:
                     raise StorageFormatError(
                         f"checkpoint data file {self.url(rel)}: asked for bytes [{s}, {e}), "
                         f"got {len(data)} (the object changed while being read?)")
-                os.pwrite(self._fds[rel], data, s)
+                pwrite_all(self._fds[rel], data, s)
             del got, batch
             i = j
 
@@ -227,9 +228,7 @@ class Mirror:
                     raise StorageFormatError(
                         f"checkpoint data file {url}: asked for bytes [{s}, {e}), the object "
                         f"has {buf.nbytes} (it changed while being read?)")
-                at = s
-                while at < e:
-                    at += os.pwrite(self._fds[rel], buf[at:min(e, at + (1 << 30))], at)
+                pwrite_all(self._fds[rel], buf[s:e], s)
 
     def _read_into(self, pieces: list[tuple[str, int, int]]) -> None:
         """A filesystem without an async API (memory://, file://): each

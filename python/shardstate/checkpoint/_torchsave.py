@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import io as ssio
-from .._util import import_torch
+from .._util import import_torch, pwrite_all
 from . import _zipfmt
 
 # The rebuilders that leave a storage's contents alone while unpickling.
@@ -240,10 +240,7 @@ def save(obj: Any, path: str | os.PathLike, *, archive: str | None = None,
     fd = os.open(p, os.O_WRONLY)
     try:
         for ofs, blob in frames:
-            view = memoryview(blob)
-            while view:
-                n = os.pwrite(fd, view, ofs)
-                view, ofs = view[n:], ofs + n
+            pwrite_all(fd, blob, ofs)
         if fsync:
             os.fsync(fd)
     finally:
